@@ -1,0 +1,203 @@
+"""The Llama decoder, written to be read (Days 03-07).
+
+One forward pass: token ids -> embeddings -> n_layers x (RMSNorm, attention with
+rotary positions and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> logits.
+
+Where the keys and values go is not this module's business. Attention calls a
+*KV backend* with the rotated q, k, v of the current tokens; the backend writes
+k and v wherever it keeps them (nowhere, a contiguous cache, a paged pool) and
+returns the attention output. The model is the same on every engine path; only
+the backend changes. `causal_attention` below is the no-cache backend.
+
+Shapes: B batch, T new tokens, H query heads, K kv heads, D head_dim, C hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+
+class KVBackend(Protocol):
+    """Where attention reads and writes K/V. Called once per layer per forward."""
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, T, H, D), k/v (B, T, K, D), already rotated -> output (B, T, H*D)."""
+        ...
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight, computed in fp32 like the reference."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """The D/2 rotation speeds theta^(-2i/D), with llama3 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for integer positions (B, T) -> each (B, T, 1, D)."""
+    angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, D): HF's rotate_half layout
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (x_i, x_{i+D/2}) by its position's angle. x (B, T, heads, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    """Attention of T queries over the same T keys, causal, grouped-query.
+
+    q (B, T, H, D), k/v (B, T, K, D); key_mask (B, T) bool marks real (not padding) keys.
+    Returns (B, T, H*D).
+    """
+    B, T, H, D = q.shape
+    qh = q.transpose(1, 2)  # (B, H, T, D)
+    kh = k.transpose(1, 2)  # (B, K, T, D)
+    vh = v.transpose(1, 2)
+    mask = None
+    if key_mask is not None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask = causal[None] & key_mask[:, None, :]  # (B, T, T)
+        # a padding query would see no key at all; let it see itself so softmax stays finite
+        mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)[None]
+        mask = mask[:, None]  # (B, 1, T, T)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )  # (B, H, T, D)
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def no_cache_backend(key_mask: Tensor | None = None) -> KVBackend:
+    """The backend with no memory: each forward attends over exactly its own tokens."""
+    return lambda layer, q, k, v: causal_attention(q, k, v, key_mask)
+
+
+class Block(nn.Module):
+    """One decoder layer. q/k/v and gate/up are each one fused matrix: one read of the weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        C, D = cfg.hidden_size, cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(C))
+        self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * D, C))  # [out, in]
+        self.wo = nn.Parameter(torch.empty(C, cfg.n_heads * D))
+        self.mlp_norm = nn.Parameter(torch.ones(C))
+        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, C))
+        self.w_down = nn.Parameter(torch.empty(C, cfg.intermediate_size))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.wqkv)  # (B, T, (H + 2K) * D)
+        q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
+        q = apply_rope(q.view(B, T, H, D), cos, sin)
+        k = apply_rope(k.view(B, T, K, D), cos, sin)
+        v = v.view(B, T, K, D)
+        x = x + F.linear(kv(layer, q, k, v), self.wo)
+        h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)  # SwiGLU
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+
+class Llama(nn.Module):
+    """Token ids and their positions in, next-token logits out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def hidden_states(
+        self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+        on_layer: Callable[[int, Tensor], None] | None = None,
+    ) -> Tensor:
+        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream."""
+        if ids.dim() == 1:
+            ids = ids[None]
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        kv = kv or no_cache_backend()
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        x = F.embedding(ids, self.embed)  # (B, T, C)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos.to(x.dtype), sin.to(x.dtype), i, kv)
+            if on_layer is not None:
+                on_layer(i, x)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def forward(
+        self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+        last_only: bool = False, logit_index: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, T, V); with `last_only` just the last position (B, V); with `logit_index` (B,)
+        the position each row wants (B, V). Computing only the needed rows skips most of the LM head."""
+        h = self.hidden_states(ids, positions, kv)
+        if logit_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logit_index]
+        elif last_only:
+            h = h[:, -1]
+        return F.linear(h, self.lm_head).float()
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
+        """Random weights with sensible scale: for unit tests and shape experiments."""
+        g = torch.Generator().manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
+        return model.to(dtype).eval()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must stream: every parameter once (tied embeddings once)."""
+        return sum(p.numel() * p.element_size() for p in self.parameters())

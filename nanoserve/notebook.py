@@ -1,0 +1,30 @@
+"""Small helpers the notebooks share: show the package's own source, print the machine."""
+
+from __future__ import annotations
+
+import inspect
+import platform
+import sys
+
+
+def show_source(obj: object) -> None:
+    """Print an object's source from the package: the notebook never keeps a second copy."""
+    src = inspect.getsource(obj)  # type: ignore[arg-type]
+    try:
+        from IPython.display import Markdown, display
+
+        display(Markdown(f"```python\n{src}\n```"))
+    except ImportError:
+        print(src)
+
+
+def machine_info() -> str:
+    """One line about the versions and the machine, for the first cell of every day."""
+    import torch
+
+    import nanoserve
+
+    return (
+        f"nanoserve {nanoserve.__version__} | python {sys.version.split()[0]} | torch {torch.__version__}"
+        f" | {platform.machine()} {platform.processor() or ''} | threads {torch.get_num_threads()}"
+    )
