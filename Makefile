@@ -1,0 +1,40 @@
+# Two commands on a fresh machine with Python 3.11:
+#   make lab    set up .venv, fetch + convert the model, open the series in JupyterLab
+#   make test   set up .venv, fetch + convert the model, run the whole suite (unit, real-model, nbval)
+# torch==2.13.0 is installed first and on its own: a plain `torch` requirement with nothing
+# installed could pull a multi-GB CUDA build; with 2.13.0 present, the package's range is satisfied.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.nanoserve-installed
+PYTEST_ARGS ?=
+
+.PHONY: lab test model lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -m nanoserve.fetch
+
+lab: model
+	$(BIN)/python -m jupyter lab notebooks/01_model_on_disk.ipynb
+
+test: model
+	$(BIN)/python -m ruff check nanoserve tests
+	$(BIN)/python -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+		--durations=15 tests notebooks $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check nanoserve tests
+
+bench: model
+	$(BIN)/python -m nanoserve.bench single
+
+clean:
+	rm -rf $(VENV) .pytest_cache

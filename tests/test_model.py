@@ -1,0 +1,85 @@
+"""The model against the reference: tiny random configs (fast) and the real checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.config import ModelConfig
+from nanoserve.model import Llama, causal_attention
+from nanoserve.weights import load_model, save_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_from(model: Llama, folder):
+    save_checkpoint(model, folder)
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"n_kv_heads": 4},  # plain multi-head attention
+        {"n_kv_heads": 1},  # multi-query
+        {"tie_word_embeddings": False},
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    ],
+    ids=["gqa", "mha", "mqa", "untied", "llama3-rope"],
+)
+def test_tiny_logits_match_transformers(tmp_path, overrides):
+    cfg = ModelConfig.tiny(max_position_embeddings=256, **overrides)
+    ours = Llama.random(cfg, seed=1)
+    ref = _hf_from(ours, tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), ref(ids).logits
+    assert (a - b).abs().max().item() < 1e-4
+
+
+def test_save_load_round_trip(tmp_path, tiny_model):
+    save_checkpoint(tiny_model, tmp_path)
+    again = load_model(tmp_path)
+    for (n1, p1), (n2, p2) in zip(tiny_model.named_parameters(), again.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2)
+
+
+def test_padding_mask_keeps_real_rows_exact(tiny_model):
+    """A padded key must change nothing for the real queries; an all-padding row stays finite."""
+    cfg = tiny_model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (1, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        solo = tiny_model(ids)[0]
+    q = torch.randn(2, 5, cfg.n_heads, cfg.head_dim)
+    k = torch.randn(2, 5, cfg.n_kv_heads, cfg.head_dim)
+    v = torch.randn(2, 5, cfg.n_kv_heads, cfg.head_dim)
+    mask = torch.tensor([[True] * 5, [False] * 5])
+    out = causal_attention(q, k, v, mask)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out[0], causal_attention(q[:1], k[:1], v[:1])[0], atol=1e-6)
+    assert torch.isfinite(solo).all()
+
+
+def test_bf16_runs_and_tracks_fp32(tiny_model):
+    ids = torch.arange(20)[None] % tiny_model.cfg.vocab_size
+    with torch.no_grad():
+        a = tiny_model(ids)
+        b = Llama.random(tiny_model.cfg, seed=0, dtype=torch.bfloat16)(ids)
+    assert b.dtype == torch.float32  # logits always come back fp32
+    assert (a.softmax(-1) - b.softmax(-1)).abs().max() < 0.05
+
+
+def test_real_model_shape_and_parameter_count(model):
+    cfg = model.cfg
+    assert (cfg.n_layers, cfg.hidden_size, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.rope_theta == 100000.0
+    assert model.num_parameters() == 134_515_008
+
+
+def test_real_logits_match_transformers(model, hf_model):
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 314, 2]])
+    with torch.no_grad():
+        diff = (model(ids) - hf_model(ids).logits).abs().max().item()
+    assert diff < 1e-4
