@@ -296,3 +296,16 @@ def read_csv(path: str | Path) -> list[tuple[str, BatchTiming]]:
                                            step_s=[float(x) for x in row["step_s"].split()],
                                            row_steps=[int(x) for x in row["row_steps"].split()]))
                 for row in csv.DictReader(f)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m nanoserve.batchbench`: both measurements on the real model (the runner's `main`).
+
+    Imported here, not at the top: this module stays stdlib-only; torch lives in the runner."""
+    from nanoserve.runner import main as run
+
+    return run(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,7 @@ Shapes: B batch, T new tokens, H query heads, K kv heads, D head_dim, C hidden.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -34,11 +35,12 @@ class KVBackend(Protocol):
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x / rms(x) * weight, computed in fp32 like the reference."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    """x / rms(x) * weight, computed in fp32 like the reference (bf16 inputs are upcast first)."""
+    if x.dtype == torch.float32:  # torch's rms_norm computes exactly this, bit for bit, in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> Tensor:
@@ -70,8 +72,9 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate each pair (x_i, x_{i+D/2}) by its position's angle. x (B, T, heads, D)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    rotated = x.roll(half, dims=-1)  # (x_{i+D/2}, x_i): the pairs swapped ...
+    rotated[..., :half].neg_()  # ... and the first half negated: HF's rotate_half
+    return x * cos + rotated * sin
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
@@ -102,6 +105,52 @@ def no_cache_backend(key_mask: Tensor | None = None) -> KVBackend:
     return lambda layer, q, k, v: causal_attention(q, k, v, key_mask)
 
 
+def linear_weight(out_features: int, in_features: int) -> nn.Parameter:
+    """An (out, in) weight, as F.linear expects, laid out in memory as its transpose (in, out).
+
+    Same shape, same values, different strides: `w.t()` is the contiguous tensor. At batch 1 a
+    decode step is one matrix-vector product per weight, and this layout lets `linear` below read
+    each weight as one front-to-back stream (Day 11 measures the candidates: `bench.layout_rates`).
+    """
+    return nn.Parameter(torch.empty(in_features, out_features).t())
+
+
+BAG_ROWS = 16  # rows per partial sum in `linear`'s one-row road (at least): see its docstring
+PARTIAL_SUMS = 1 << 19  # at most this many partial-sum floats (2 MB): only the LM head needs bigger bags
+
+
+@functools.lru_cache(maxsize=32)
+def _bags(n_in: int, n_out: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row indices 0..n_in-1 and the offsets that cut them into bags. Made once per shape, outside
+    inference mode so that autograd may save them when a caller records gradients."""
+    rows_per_bag = max(BAG_ROWS, -(-n_in * n_out // PARTIAL_SUMS))
+    with torch.inference_mode(False):
+        return torch.arange(n_in, device=device), torch.arange(0, n_in, rows_per_bag, device=device)
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for a weight w (out, in), like F.linear; a single row of x takes a faster road.
+
+    One row (a batch-1 decode step) is a matrix-vector product: 2 FLOPs per 4-byte weight, so
+    its speed is how fast w streams from memory. With w stored [in, out] (`linear_weight`),
+    x @ w.T = sum_i x[i] * w.T[i], a weighted sum of contiguous rows, which is exactly what
+    F.embedding_bag computes (mode="sum", per_sample_weights=x). Its kernel streams memory near
+    full bandwidth, about twice what BLAS's matrix-vector product reaches on this CPU (Day 11).
+    The rows are summed in bags of BAG_ROWS and the partial sums added at the end: one long
+    running sum rounds more than BLAS's blocked one (2e-4 off an fp64 forward in the logits,
+    where transformers' fp32 is 1e-4 off); in bags of 16 it is 5e-5 off, the best of the sizes
+    tried (16 to 128). Bags grow only where the partial sums would pass PARTIAL_SUMS (the LM head:
+    54 rows). Same weights, same bytes read once; more rows of x: BLAS GEMM.
+    """
+    n_out, n_in = w.shape
+    if x.numel() == n_in and w.stride() == (1, n_out) and x.dtype == w.dtype == torch.float32 \
+            and not x.is_cuda:
+        rows, offsets = _bags(n_in, n_out, x.device)
+        partial = F.embedding_bag(rows, w.t(), offsets, mode="sum", per_sample_weights=x.reshape(n_in))  # (bags, out)
+        return partial.sum(0).view(*x.shape[:-1], n_out)
+    return F.linear(x, w)
+
+
 class Block(nn.Module):
     """One decoder layer. q/k/v and gate/up are each one fused matrix: one read of the weights."""
 
@@ -110,26 +159,25 @@ class Block(nn.Module):
         self.cfg = cfg
         C, D = cfg.hidden_size, cfg.head_dim
         self.attn_norm = nn.Parameter(torch.ones(C))
-        self.wqkv = nn.Parameter(torch.empty((cfg.n_heads + 2 * cfg.n_kv_heads) * D, C))  # [out, in]
-        self.wo = nn.Parameter(torch.empty(C, cfg.n_heads * D))
+        self.wqkv = linear_weight((cfg.n_heads + 2 * cfg.n_kv_heads) * D, C)  # (out, in)
+        self.wo = linear_weight(C, cfg.n_heads * D)
         self.mlp_norm = nn.Parameter(torch.ones(C))
-        self.w_gate_up = nn.Parameter(torch.empty(2 * cfg.intermediate_size, C))
-        self.w_down = nn.Parameter(torch.empty(C, cfg.intermediate_size))
+        self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
+        self.w_down = linear_weight(C, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
         cfg = self.cfg
         B, T, _ = x.shape
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         h = rms_norm(x, self.attn_norm, cfg.rms_norm_eps)
-        qkv = F.linear(h, self.wqkv)  # (B, T, (H + 2K) * D)
-        q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
-        q = apply_rope(q.view(B, T, H, D), cos, sin)
-        k = apply_rope(k.view(B, T, K, D), cos, sin)
-        v = v.view(B, T, K, D)
-        x = x + F.linear(kv(layer, q, k, v), self.wo)
+        qkv = linear(h, self.wqkv).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
+        qk = apply_rope(qkv[:, :, : H + K], cos, sin)  # the q and k heads, rotated in one call
+        q, k = qk.split([H, K], dim=2)  # (B, T, H, D), (B, T, K, D)
+        v = qkv[:, :, H + K :]  # (B, T, K, D)
+        x = x + linear(kv(layer, q, k, v), self.wo)
         h = rms_norm(x, self.mlp_norm, cfg.rms_norm_eps)
-        gate, up = F.linear(h, self.w_gate_up).chunk(2, dim=-1)  # SwiGLU
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        gate, up = linear(h, self.w_gate_up).chunk(2, dim=-1)  # SwiGLU
+        return x + linear(F.silu(gate) * up, self.w_down)
 
 
 class Llama(nn.Module):
@@ -138,13 +186,34 @@ class Llama(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        V, C = cfg.vocab_size, cfg.hidden_size
+        # Tied: one (V, C) matrix is both the embedding table and the LM head. It is stored for the
+        # head, [in, out] like every other linear weight: the head streams 113 MB per decoded token,
+        # while an embedding lookup reads one row per token, strided or not.
+        self.embed = linear_weight(V, C) if cfg.tie_word_embeddings else nn.Parameter(torch.empty(V, C))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
-        self.lm_head = self.embed if cfg.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
+        self.norm = nn.Parameter(torch.ones(C))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else linear_weight(V, C)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin (P, D), grown on demand
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin (B, T, 1, D) for integer positions, looked up in a table computed once.
+
+        The table holds exactly what `rope_cos_sin` computes, so cached and uncached paths agree
+        bit for bit; it grows (doubling) when a position beyond it is asked for.
+        """
+        lo, hi = (int(p) for p in torch.aminmax(positions))
+        if lo < 0:  # not a table index: compute directly
+            cos, sin = rope_cos_sin(self.inv_freq, positions)
+            return cos.to(self.dtype), sin.to(self.dtype)
+        table = self._rope_table
+        if table is None or table[0].shape[0] <= hi or table[0].dtype != self.dtype \
+                or table[0].device != positions.device:
+            size = max(256, 1 << hi.bit_length())
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=positions.device)[None])
+            table = self._rope_table = (cos[0, :, 0].to(self.dtype), sin[0, :, 0].to(self.dtype))  # (P, D)
+        return table[0][positions][:, :, None], table[1][positions][:, :, None]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -161,10 +230,10 @@ class Llama(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
         kv = kv or no_cache_backend()
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
         x = F.embedding(ids, self.embed)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, cos.to(x.dtype), sin.to(x.dtype), i, kv)
+            x = block(x, cos, sin, i, kv)
             if on_layer is not None:
                 on_layer(i, x)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
@@ -180,7 +249,7 @@ class Llama(nn.Module):
             h = h[torch.arange(h.shape[0], device=h.device), logit_index]
         elif last_only:
             h = h[:, -1]
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
@@ -199,5 +268,9 @@ class Llama(nn.Module):
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
     def weight_bytes(self) -> int:
-        """Bytes a decode step must stream: every parameter once (tied embeddings once)."""
+        """Bytes a decode step must stream: every parameter once (tied embeddings once, no copies).
+
+        Exact for tied models (the head reads the whole table, the lookup one row of it); an untied
+        model's input table is counted too, although a step reads only one row of it.
+        """
         return sum(p.numel() * p.element_size() for p in self.parameters())

@@ -1,0 +1,217 @@
+"""Padded prefill, the batched paged cache and greedy_generate_batch on a tiny random model (Days 27-28)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve.batch import (
+    ROW_MULTIPLE,
+    BatchedPagedKVCache,
+    StaticBatch,
+    decode_attention,
+    forward_rows,
+    greedy_generate_batch,
+    pad_batch,
+    padded_prefill,
+    prefill_attention,
+)
+from nanoserve.generate import greedy_ids
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [29, 30]]
+
+
+def solo_logits(model, prompt, steps):
+    """Logits (steps + 1, V) of a one-prompt static batch: the prefill's, then each step's."""
+    sb = StaticBatch(model, [prompt], [steps])
+    out = [sb.prefill()] + [sb.step() for _ in range(steps)]
+    return torch.cat(out)
+
+
+def batch_logits(model, prompts, steps):
+    """Logits (B, steps + 1, V) of one static batch."""
+    sb = StaticBatch(model, prompts, [steps] * len(prompts))
+    out = [sb.prefill()] + [sb.step() for _ in range(steps)]
+    return torch.stack(out, 1)
+
+
+# ---- padding -----------------------------------------------------------------------------------
+
+
+def test_pad_batch_right_pads_and_counts_positions_from_zero():
+    b = pad_batch([[5, 6, 7], [8], [9, 10, 11, 12, 13]], pad_id=0)
+    assert b.ids.shape == (3, 8)  # longest 5, rounded up to ROW_MULTIPLE
+    assert b.ids[1].tolist() == [8, 0, 0, 0, 0, 0, 0, 0]
+    assert b.key_mask.sum(1).tolist() == [3, 1, 5]
+    assert b.positions[2].tolist() == list(range(8))
+    assert b.last_index.tolist() == [2, 0, 4]
+
+
+@pytest.mark.parametrize("prompts", [[], [[1, 2], []]])
+def test_pad_batch_refuses_empty_prompts(prompts):
+    with pytest.raises(ValueError, match="at least one token"):
+        pad_batch(prompts)
+
+
+def test_forward_rows_rounds_batches_up_but_leaves_one_alone():
+    assert [forward_rows(b) for b in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 4, 4, 4, 8, 8, 12, 32]
+    assert ROW_MULTIPLE == 4
+
+
+def test_padded_prefill_matches_each_prompt_alone(tiny_model):
+    logits = padded_prefill(tiny_model, PROMPTS)  # (B, V)
+    assert logits.shape == (len(PROMPTS), tiny_model.cfg.vocab_size)
+    for i, p in enumerate(PROMPTS):
+        plain = tiny_model(torch.tensor([p]), last_only=True)[0]  # the model's own no-cache forward
+        torch.testing.assert_close(logits[i], plain, atol=1e-4, rtol=0)
+        assert torch.equal(logits[i], padded_prefill(tiny_model, [p])[0])  # and bit for bit its solo run
+
+
+def test_prefill_attention_ignores_padding_and_never_makes_nan():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 4, 16), torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    out = prefill_attention(q, k, v, [5, 0])  # row 1 is all padding
+    assert torch.isfinite(out).all()
+    assert out[1].abs().sum() == 0 and out[0, 5:].abs().sum() == 0
+    k2, v2 = k.clone(), v.clone()
+    k2[0, 5:], v2[0, 5:] = 1e4, float("nan")  # whatever sits in the padding is never read
+    assert torch.equal(prefill_attention(q, k2, v2, [5, 0])[0, :5], out[0, :5])
+
+
+def test_decode_attention_reads_only_keys_in_context():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    mask = torch.arange(32)[None] < torch.tensor([[3], [32]])
+    out = decode_attention(q, k, v, mask)
+    k2 = k.clone()
+    k2[0, 3:] = 1e4
+    assert torch.equal(decode_attention(q, k2, v, mask), out)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:1].transpose(1, 2), k[:1, :3].transpose(1, 2), v[:1, :3].transpose(1, 2), enable_gqa=True)
+    torch.testing.assert_close(out[0].view(4, 16), ref[0, :, 0], atol=1e-6, rtol=0)
+
+
+# ---- the batched paged cache -------------------------------------------------------------------
+
+
+def test_each_row_has_its_own_block_table(tiny_cfg):
+    kv = BatchedPagedKVCache.for_batch(tiny_cfg, [5, 1, 9], max_new_tokens=4, block_size=4)
+    assert kv.cache.num_blocks == math.ceil(9 / 4) + math.ceil(5 / 4) + math.ceil(13 / 4)
+    step = kv.prefill_step(pad_batch([[1] * 5, [2], [3] * 9]))
+    assert [len(t.blocks) for t in kv.tables] == [2, 1, 3]
+    blocks = [b for t in kv.tables for b in t.blocks]
+    assert len(set(blocks)) == len(blocks)  # no block shared between rows
+    assert step.slot_mapping[1].tolist() == [kv.tables[1].blocks[0] * 4] + [-1] * 11
+    assert step.write_slots.numel() == 5 + 1 + 9
+    step = kv.decode_step([7, 8, 9])
+    assert kv.context_lens == [6, 2, 10]
+    assert step.positions[:3, 0].tolist() == [5, 1, 9]
+    assert step.block_tables.shape == (forward_rows(3), 3)
+    assert step.key_mask[:3].sum(1).tolist() == [6, 2, 10]
+    kv.free()
+    assert kv.cache.pool.num_free == kv.cache.num_blocks
+    kv.cache.pool.check()
+
+
+def test_decode_step_refuses_misuse(tiny_cfg):
+    kv = BatchedPagedKVCache.for_batch(tiny_cfg, [3, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="before prefill_step"):
+        kv.decode_step([1, 2])
+    kv.prefill_step(pad_batch([[1, 2, 3], [4, 5, 6]]))
+    with pytest.raises(ValueError, match="one token per row"):
+        kv.decode_step([1])
+    with pytest.raises(ValueError, match="prefilled once"):
+        kv.prefill_step(pad_batch([[1, 2, 3], [4, 5, 6]]))
+
+
+# ---- static batches and greedy_generate_batch ----------------------------------------------------
+
+
+def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model):
+    steps = 6
+    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps)[0] for p in PROMPTS]
+    for B in range(2, len(PROMPTS) + 1):
+        logits = batch_logits(tiny_model, PROMPTS[:B], steps)
+        for i in range(B):
+            assert torch.equal(logits[i], in_pair[i]), (B, i)
+
+
+def test_a_solo_run_agrees_with_its_row_to_rounding(tiny_model):
+    logits = batch_logits(tiny_model, PROMPTS, 6)
+    for i, p in enumerate(PROMPTS):
+        solo = solo_logits(tiny_model, p, 6)
+        assert torch.equal(solo[0], logits[i, 0])  # the prefill pads to ROW_MULTIPLE rows alone too
+        torch.testing.assert_close(solo, logits[i], atol=1e-4, rtol=0)
+
+
+def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_path(tiny_model):
+    lens = [4, 1, 7, 2, 5]
+    out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=lens)
+    assert [len(o) for o in out] == lens
+    for p, n, o in zip(PROMPTS, lens, out):
+        assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n)[0]
+        assert o == greedy_ids(tiny_model, p, n)  # the Day 08 loop, no cache at all
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=24), min_size=1, max_size=6),
+       st.integers(1, 6))
+def test_property_every_row_equals_its_solo_run(tiny_model, prompts, new_tokens):
+    out = greedy_generate_batch(tiny_model, prompts, max_new_tokens=new_tokens)
+    for p, o in zip(prompts, out):
+        assert torch.equal(torch.tensor(o), torch.tensor(greedy_generate_batch(tiny_model, [p], new_tokens)[0]))
+
+
+def test_a_finished_row_keeps_its_slot_and_blocks_until_the_batch_ends(tiny_model):
+    sb = StaticBatch(tiny_model, [[5, 6, 7], [8, 9]], stop_steps=[1, 6], block_size=2)
+    sb.prefill()
+    for _ in range(6):
+        sb.step()
+    assert sb.done and sb.n_steps == 6
+    assert [len(t) for t in sb.tokens] == [2, 7]  # the prefill's token, then one per budgeted step
+    assert sb.kv.context_lens == [3 + 6, 2 + 6]  # the finished row kept being forwarded and cached
+    assert [len(t.blocks) for t in sb.kv.tables] == [5, 4]
+    with pytest.raises(RuntimeError, match="done"):
+        sb.step()
+    sb.kv.free()
+    assert sb.kv.cache.pool.num_free == sb.kv.cache.num_blocks
+
+
+def test_stop_steps_and_max_new_tokens_say_the_same_thing(tiny_model):
+    a = greedy_generate_batch(tiny_model, PROMPTS[:3], stop_steps=[0, 3, 1])
+    b = greedy_generate_batch(tiny_model, PROMPTS[:3], max_new_tokens=[1, 4, 2])
+    assert a == b and [len(x) for x in a] == [1, 4, 2]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=2, stop_steps=[1, 1]), "exactly one"),
+    (dict(), "exactly one"),
+    (dict(max_new_tokens=[2]), "for each of the 2 prompts"),
+    (dict(max_new_tokens=0), "int >= 1"),
+    (dict(stop_steps=[1, -1]), "ints >= 0"),
+])
+def test_bad_budgets_are_refused(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        greedy_generate_batch(tiny_model, [[1, 2], [3]], **kwargs)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([], "empty batch"),
+    ([[1, 2], []], "prompt 1: prompt is empty"),
+    ([[1, 2], [3, 999]], "prompt 1: .*outside the vocabulary"),
+    ([[1] * 600], "prompt 0: .*context"),
+])
+def test_bad_prompts_are_refused_naming_the_row(tiny_model, prompts, match):
+    with pytest.raises(ValueError, match=match):
+        greedy_generate_batch(tiny_model, prompts, max_new_tokens=2)
+
+
+def test_step_order_is_enforced(tiny_model):
+    sb = StaticBatch(tiny_model, [[1, 2]], [2])
+    with pytest.raises(RuntimeError, match="before prefill"):
+        sb.step()
+    sb.prefill()
+    with pytest.raises(RuntimeError, match="twice"):
+        sb.prefill()

@@ -1,0 +1,79 @@
+"""Batching on the real SmolLM2: each row's logits and tokens equal its solo run (Days 27-28)."""
+
+import pytest
+import torch
+
+from nanoserve.batch import StaticBatch, greedy_generate_batch, padded_prefill
+from nanoserve.generate import greedy_ids
+
+TEXTS = [
+    "The capital of France is",
+    "Hi",
+    "Write a short poem about the sea, the sky and the wind, in four lines.",
+    "1 2 3",
+    "a",
+    "Once upon a time there was a little girl who lived in a village near the forest.",
+    "Why?",
+    "List three colors:",
+]
+NEW = 12
+NEAR_TIE = 1e-3  # the project's rule: a reference top1 - top2 gap below this is a genuine near-tie
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    ps = [tok.encode(t) for t in TEXTS]
+    assert sorted(len(p) for p in ps)[:2] == [1, 1]  # some rows are a single token
+    return ps
+
+
+@pytest.fixture(scope="module")
+def solo(model, prompts):
+    """Each prompt alone: its tokens and the top1 - top2 logit gap at every step."""
+    out = []
+    for p in prompts:
+        sb = StaticBatch(model, [p], [NEW - 1])
+        logits = [sb.prefill()] + [sb.step() for _ in range(NEW - 1)]
+        top2 = torch.cat(logits).topk(2, dim=-1).values
+        out.append((sb.tokens[0], (top2[:, 0] - top2[:, 1]).tolist()))
+    return out
+
+
+def test_padded_prefill_logits_equal_each_solo_run_and_the_reference(model, hf_model, prompts):
+    logits = padded_prefill(model, prompts)  # (B, V), one forward of a ragged batch
+    for i, p in enumerate(prompts):
+        assert torch.equal(logits[i], padded_prefill(model, [p])[0])
+        with torch.inference_mode():
+            ref = hf_model(torch.tensor([p])).logits[0, -1]
+        assert (logits[i] - ref).abs().max().item() < 1e-4
+
+
+def test_solo_runs_have_no_near_tie(solo):
+    """So the comparisons below are exact on every token, not only up to a near-tie."""
+    assert min(min(gaps) for _, gaps in solo) > NEAR_TIE
+
+
+@pytest.mark.parametrize("batch_size", range(1, 9))
+def test_every_row_equals_its_solo_run_at_every_batch_size(model, prompts, solo, batch_size):
+    rows = [(i * 3 + batch_size) % len(prompts) for i in range(batch_size)]  # a different mix per size
+    out = greedy_generate_batch(model, [prompts[i] for i in rows], max_new_tokens=NEW)
+    for i, tokens in zip(rows, out):
+        assert torch.equal(torch.tensor(tokens), torch.tensor(solo[i][0])), (batch_size, i)
+
+
+def test_ragged_budgets_and_the_single_sequence_path_agree(model, prompts, solo):
+    budgets = [NEW, 2, 5, 1, NEW, 3, 7, 4]
+    out = greedy_generate_batch(model, prompts, max_new_tokens=budgets)
+    for i, (p, n, tokens) in enumerate(zip(prompts, budgets, out)):
+        assert tokens == solo[i][0][:n]
+        if n == NEW:
+            assert tokens == greedy_ids(model, p, n)  # Day 08's loop: no cache, no batch
+
+
+def test_rows_of_two_batches_are_bit_identical(model, prompts):
+    """Any two batches of two or more rows run every row through the same kernels: equal logits."""
+    def logits(ps):
+        sb = StaticBatch(model, ps, [3] * len(ps))
+        return torch.stack([sb.prefill()] + [sb.step() for _ in range(3)], 1)  # (B, 4, V)
+    a, b = logits(prompts[:3]), logits(prompts[2:8])
+    assert torch.equal(a[2], b[0])

@@ -1,0 +1,226 @@
+"""Sampling: parameter validation, each filter's defining property, seeded reproducibility,
+and a statistical check that Sampler draws from exactly the distribution filtered_probs describes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoserve.sampling import Sampler, SamplingParams, apply_repetition_penalty, filtered_probs
+
+# ---------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", -0.1),
+        ("temperature", float("nan")),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", -0.1),
+        ("min_p", 1.01),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("max_tokens", 0),
+        ("max_tokens", 2.5),
+        ("n", 0),
+        ("stop", [""]),
+        ("stop", ["ok", 3]),
+    ],
+)
+def test_invalid_field_raises_naming_it(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_valid_params_and_defaults():
+    p = SamplingParams(temperature=0, top_k=-1, top_p=1.0, min_p=0.0, stop="END")
+    assert p.greedy and p.stop == ["END"]  # a single stop string is accepted and listed
+    assert not SamplingParams().greedy
+
+
+# ---------------------------------------------------------------- filters
+
+distinct_logits = st.lists(st.integers(-400, 400), min_size=2, max_size=40, unique=True).map(
+    lambda xs: torch.tensor(xs, dtype=torch.float32) / 50  # distinct values: no ties at a cut-off
+)
+
+
+def kept(probs: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(probs > 0).flatten().tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(distinct_logits, st.integers(1, 45))
+def test_top_k_keeps_exactly_the_k_largest(logits, k):
+    probs = filtered_probs(logits, SamplingParams(top_k=k))
+    want = min(k, len(logits))
+    assert kept(probs) == set(torch.topk(logits, want).indices.tolist())
+    assert math.isclose(float(probs.sum()), 1.0, rel_tol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(distinct_logits, st.floats(0.01, 0.99))
+def test_top_p_keeps_the_smallest_set_reaching_p(logits, p):
+    full = torch.softmax(logits.double(), -1)
+    probs = filtered_probs(logits, SamplingParams(top_p=p))
+    keep = kept(probs)
+    order = torch.argsort(full, descending=True).tolist()
+    assert keep == set(order[: len(keep)])  # a most-likely prefix
+    mass = float(full[list(keep)].sum())
+    smallest = float(full[order[len(keep) - 1]])
+    assert mass >= p - 1e-6  # reaches p ...
+    assert mass - smallest < p + 1e-6  # ... and without its least likely member it would not
+    # renormalized over the kept set, proportional to the original probabilities
+    torch.testing.assert_close(probs[list(keep)].double(), full[list(keep)] / mass, atol=1e-6, rtol=1e-5)
+
+
+def test_top_p_worked_example():
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    assert kept(filtered_probs(logits, SamplingParams(top_p=0.75))) == {0, 1}
+    assert kept(filtered_probs(logits, SamplingParams(top_p=0.85))) == {0, 1, 2}
+    assert kept(filtered_probs(logits, SamplingParams(top_p=0.4))) == {0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(distinct_logits, st.floats(0.001, 0.999), st.floats(0.3, 2.0))
+def test_min_p_drops_tokens_below_fraction_of_top(logits, min_p, temperature):
+    base = torch.softmax(logits / temperature, -1)
+    probs = filtered_probs(logits, SamplingParams(min_p=min_p, temperature=temperature))
+    want = set(torch.nonzero(base >= min_p * base.max()).flatten().tolist())
+    # a token whose ratio to the top sits within rounding of min_p may land either side
+    edge = set(torch.nonzero((base / base.max() - min_p).abs() < 1e-6).flatten().tolist())
+    assert kept(probs) - edge == want - edge
+
+
+def test_temperature_zero_is_one_hot_on_argmax():
+    logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
+    probs = filtered_probs(logits, SamplingParams(temperature=0.0))
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    # and the greedy sampler never touches randomness: any seed gives the argmax
+    assert {Sampler(SamplingParams(temperature=0.0, seed=s))(logits) for s in range(5)} == {1}
+
+
+def test_temperature_scales_logits():
+    logits = torch.tensor([1.0, 2.0, 4.0])
+    for t in (0.5, 1.0, 3.0):
+        torch.testing.assert_close(filtered_probs(logits, SamplingParams(temperature=t)), torch.softmax(logits / t, -1))
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0])
+    out = apply_repetition_penalty(logits, [0, 1, 1], 2.0)
+    assert out.tolist() == [1.0, -4.0, 1.0, -1.0]  # seen ids 0 and 1 both made less likely
+    assert logits.tolist() == [2.0, -2.0, 1.0, -1.0]  # input untouched
+    probs = filtered_probs(logits, SamplingParams(repetition_penalty=2.0), seen=[0, 1])
+    torch.testing.assert_close(probs, torch.softmax(out, -1))
+    # a penalty below 1 rewards repetition, again in the right direction for both signs
+    assert apply_repetition_penalty(logits, [0, 1], 0.5).tolist() == [4.0, -1.0, 1.0, -1.0]
+    # greedy with a penalty: the argmax moves off the repeated token
+    assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(torch.tensor([2.0, 1.5]), [0]) == 1
+
+
+# ---------------------------------------------------------------- seeded reproducibility
+
+
+def test_same_seed_same_tokens_run_to_run():
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+
+    def draw(n: int) -> list[int]:
+        s = Sampler(params)
+        return [s(logits) for _ in range(n)]
+
+    first = draw(200)
+    assert draw(200) == first
+    assert len(set(first)) > 5  # really random, not stuck on one token
+    other = Sampler(SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=4321))
+    assert [other(logits) for _ in range(200)] != first
+
+
+def test_sampler_is_not_affected_by_the_global_rng():
+    logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
+    a = Sampler(SamplingParams(seed=7))
+    torch.manual_seed(0)
+    xs = [a(logits) for _ in range(50)]
+    b = Sampler(SamplingParams(seed=7))
+    torch.manual_seed(999)
+    torch.rand(1000)
+    assert [b(logits) for _ in range(50)] == xs
+
+
+# ---------------------------------------------------------------- the statistical test
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square goodness of fit of `counts` to `probs`, over the tokens `probs` allows.
+
+    A count on a token with probability 0 is impossible under `probs`: p-value 0. Otherwise the
+    statistic sum((O - E)^2 / E) has df = (support - 1); its survival function is the regularized
+    upper incomplete gamma Q(df/2, x/2).
+    """
+    support = probs > 0
+    if counts[~support].sum() > 0:
+        return 0.0
+    n = counts.sum().double()
+    expected = n * probs[support].double()
+    x = float(((counts[support].double() - expected) ** 2 / expected).sum())
+    df = int(support.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(x / 2)))
+
+
+def test_chi_square_helper_is_calibrated():
+    # draws from the distribution itself pass, draws from a shifted one fail: the helper can tell
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    counts = torch.bincount(torch.multinomial(p, 20_000, replacement=True, generator=g), minlength=4)
+    assert chi_square_p_value(counts, p) > 1e-3
+    assert chi_square_p_value(counts, torch.tensor([0.37, 0.31, 0.21, 0.11])) < 1e-6
+    assert chi_square_p_value(counts, torch.tensor([0.5, 0.3, 0.2, 0.0])) == 0.0
+
+
+SMALL_VOCAB_LOGITS = torch.tensor([2.0, 1.6, 1.2, 1.0, 0.7, 0.3, -0.5, -1.0, -3.0, 0.9])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, seed=11),
+        SamplingParams(temperature=0.7, top_k=5, seed=12),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=13),
+        SamplingParams(temperature=1.0, min_p=0.2, seed=14),
+        SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.05, repetition_penalty=1.5, seed=15),
+    ],
+    ids=["plain", "top_k", "top_p", "min_p", "all"],
+)
+def test_sampled_frequencies_match_filtered_probs(params):
+    """N seeded draws from Sampler: the frequencies fit filtered_probs (chi-square p > 1e-3 and every
+    token within 5 standard errors), no draw falls outside the filtered support, and the same counts
+    clearly reject the unfiltered distribution: the test has the power to see a wrong filter."""
+    n = 20_000
+    seen = [0, 6]  # the repetition penalty (when set) applies to these
+    sampler = Sampler(params)
+    counts = torch.bincount(torch.tensor([sampler(SMALL_VOCAB_LOGITS, seen) for _ in range(n)]),
+                            minlength=len(SMALL_VOCAB_LOGITS))
+    probs = filtered_probs(SMALL_VOCAB_LOGITS, params, seen).double()
+
+    assert chi_square_p_value(counts, probs) > 1e-3
+    freq = counts.double() / n
+    stderr = (probs * (1 - probs) / n).sqrt()
+    assert bool(((freq - probs).abs() <= 5 * stderr + 1e-12).all()), (freq, probs)
+
+    # the same counts against a wrong distribution: the plain softmax at temperature 1, no filters
+    wrong = torch.softmax(SMALL_VOCAB_LOGITS.double(), -1)
+    if not torch.allclose(wrong, probs, atol=1e-3):
+        assert chi_square_p_value(counts, wrong) < 1e-6
+    # ... and against the right support with its two most likely tokens' mass swapped
+    top2 = torch.topk(probs, 2).indices
+    swapped = probs.clone()
+    swapped[top2] = probs[top2.flip(0)]
+    assert chi_square_p_value(counts, swapped) < 1e-6
