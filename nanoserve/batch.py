@@ -19,9 +19,10 @@ results are only reproducible when the same kernel computes them. Two rules here
 - matmuls: this CPU's BLAS (MKL) computes a row bit-identically whenever the rows of the call
   (M) are a multiple of 4, while a partial group of 1-3 rows takes other kernels. So forwards of
   two or more rows run a multiple of ROW_MULTIPLE rows (dummy rows are added), and the prefill
-  pads its length to one. A batch of one is the exception: its matrix-vector kernel is about
-  twice as fast as a 4-row product when the step is bound by reading weights, so a solo run
-  agrees with its row in a batch to fp32 rounding (the same tokens but at a genuine near-tie).
+  pads its length to one. A batch of one is the exception: a single row takes the model's
+  one-row road (`model.linear`), about twice as fast as a 4-row product when the step is bound
+  by reading weights, so a solo run agrees with its row in a batch to fp32 rounding (the same
+  tokens, except at a genuine near-tie).
 - attention: each row attends in a computation that sees only its own keys. The prefill calls
   the fused kernel once per row on exactly its real tokens; the decode step's masked softmax is
   written out as two matmuls, where masked keys add exact zeros.
@@ -43,7 +44,7 @@ from torch import Tensor
 
 from .config import ModelConfig
 from .generate import check_prompt
-from .model import Llama
+from .model import Llama, linear
 from .paged import BlockTable, PagedKVCache
 
 ROW_MULTIPLE = 4
@@ -147,7 +148,7 @@ def logits_at(model: Llama, h: Tensor, index: Tensor) -> Tensor:
     B = h.shape[0]
     rows = h[torch.arange(B), index]  # (B, C)
     rows = F.pad(rows, (0, 0, 0, round_up(B) - B))  # (R, C)
-    return F.linear(rows, model.lm_head).float()[:B]
+    return linear(rows, model.lm_head).float()[:B]
 
 
 @torch.inference_mode()

@@ -95,7 +95,8 @@ class StopChecker:
         self.emitted = 0  # characters of self.text already handed out
 
     def _release(self, upto: int) -> str:
-        out, self.emitted = self.text[self.emitted:upto], max(self.emitted, upto)
+        upto = max(self.emitted, upto)  # never negative: a negative index would wrap around
+        out, self.emitted = self.text[self.emitted:upto], upto
         return out
 
     def check(self, token: int, n_generated: int, piece: str) -> tuple[str, str | None]:

@@ -135,7 +135,8 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     its speed is how fast w streams from memory. With w stored [in, out] (`linear_weight`),
     x @ w.T = sum_i x[i] * w.T[i], a weighted sum of contiguous rows, which is exactly what
     F.embedding_bag computes (mode="sum", per_sample_weights=x). Its kernel streams memory near
-    full bandwidth, about twice what BLAS's matrix-vector product reaches on this CPU (Day 11).
+    full bandwidth: on this CPU about twice F.linear on the checkpoint's (out, in) layout, and
+    faster than BLAS on the (in, out) one (Day 11 measures all of them).
     The rows are summed in bags of BAG_ROWS and the partial sums added at the end: one long
     running sum rounds more than BLAS's blocked one (2e-4 off an fp64 forward in the logits,
     where transformers' fp32 is 1e-4 off); in bags of 16 it is 5e-5 off, the best of the sizes

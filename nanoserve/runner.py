@@ -11,7 +11,7 @@ core (`batchbench.time_static_batch`) its two bound methods. What gets timed is 
     sweep_batch_sizes     uniform batches of 1, 2, 4, ... rows: throughput against batch size
     time_hf_generate      transformers' static batched generate on the same checkpoint, timed per step
 
-transformers is imported only inside `load_hf_model`: it is the reference, not a dependency.
+transformers is imported only inside the two functions that use it: it is the reference, not a dependency.
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clo
     T = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts])  # (B, T)
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    config = copy.deepcopy(hf_model.generation_config)  # greedy, exactly steps + 1 tokens, EOS not special
-    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=None,
+    config = copy.deepcopy(hf_model.generation_config)  # greedy, exactly steps + 1 tokens; [] (not None): no EOS
+    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=[],
                   max_new_tokens=steps + 1, pad_token_id=pad_id)
     start = clock()
     with torch.inference_mode():
@@ -277,21 +277,25 @@ def print_blocking(t: BatchTiming) -> None:
 
 
 def print_sweep(model: Llama, ours: BatchScaling, theirs: BatchScaling | None, meta: dict) -> None:
-    peak = max(meta.get("peak_flops_torch", 0.0), meta.get("peak_flops_onednn") or 0.0)
+    """The sweep's table: our step and tokens/s, transformers' beside them, and where the step sits against
+    the machine's peak FLOP/s (torch's matmul, and oneDNN's) and the roofline's best step."""
+    peaks = [meta.get("peak_flops_torch"), meta.get("peak_flops_onednn")]
     head = f"{'B':>3} {'step ms':>8} {'tok/s':>7} {'eff':>5}"
     head += f" | {'hf ms':>7} {'hf tok/s':>8} {'hf eff':>6} {'x hf':>5}" if theirs else ""
-    head += f" | {'GFLOP/s':>7} {'of peak':>7} {'best ms':>7}" if peak else ""
+    head += f" | {'GFLOP/s':>7} {'/torch':>6} {'/oneDNN':>7} {'best ms':>7}" if peaks[0] else ""
     print(head)
     for i, b in enumerate(ours.batch_sizes):
         line = f"{b:3d} {ours.step_s[i] * 1e3:8.1f} {ours.tok_per_s[i]:7.1f} {ours.efficiency[i]:5.2f}"
         if theirs:
             line += (f" | {theirs.step_s[i] * 1e3:7.1f} {theirs.tok_per_s[i]:8.1f} {theirs.efficiency[i]:6.2f} "
                      f"{ours.tok_per_s[i] / theirs.tok_per_s[i]:5.2f}")
-        if peak:
+        if peaks[0]:
+            peak = max(p or 0.0 for p in peaks)
             point = step_roofline(model, b, meta["sweep_prompt_tokens"] + meta["sweep_steps"] // 2, peak,
                                   meta["read_bandwidth"])
             achieved = point.flops / ours.step_s[i]
-            line += f" | {achieved / 1e9:7.1f} {achieved / peak:7.2f} {point.best_step_s * 1e3:7.1f}"
+            line += (f" | {achieved / 1e9:7.1f} {achieved / peaks[0]:6.2f} {achieved / (peaks[1] or peak):7.2f} "
+                     f"{point.best_step_s * 1e3:7.1f}")
         print(line)
     print(f"knee {ours.knee}; peak {ours.peak_tok_per_s:.1f} tok/s at batch {ours.peak_batch_size}")
 

@@ -115,6 +115,17 @@ def test_each_row_has_its_own_block_table(tiny_cfg):
     kv.cache.pool.check()
 
 
+def test_dummy_rows_of_a_decode_step_stay_finite(tiny_model):
+    kv = BatchedPagedKVCache.for_batch(tiny_model.cfg, [3, 1, 5], max_new_tokens=2)
+    kv.prefill_step(pad_batch([[1, 2, 3], [4], [5, 6, 7, 8, 9]]))
+    step = kv.decode_step([10, 11, 12])
+    R = step.positions.shape[0]
+    assert R == 4 and step.slot_mapping[3:, 0].tolist() == [-1]  # one dummy row, written nowhere
+    with torch.inference_mode():
+        logits = tiny_model(torch.tensor([[10], [11], [12], [0]]), step.positions, kv.backend(step), last_only=True)
+    assert logits.shape[0] == R and torch.isfinite(logits).all()
+
+
 def test_decode_step_refuses_misuse(tiny_cfg):
     kv = BatchedPagedKVCache.for_batch(tiny_cfg, [3, 3], max_new_tokens=2)
     with pytest.raises(ValueError, match="before prefill_step"):

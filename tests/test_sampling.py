@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve.generate import StopChecker
 from nanoserve.sampling import Sampler, SamplingParams, apply_repetition_penalty, filtered_probs
 
 # ---------------------------------------------------------------- validation
@@ -224,3 +225,36 @@ def test_sampled_frequencies_match_filtered_probs(params):
     swapped = probs.clone()
     swapped[top2] = probs[top2.flip(0)]
     assert chi_square_p_value(counts, swapped) < 1e-6
+
+
+def _stream(stopper, pieces):
+    """Feed pieces through a StopChecker as the generation loop does; return (text out, finish reason)."""
+    out = []
+    for n, piece in enumerate(pieces, 1):
+        text, reason = stopper.check(1000 + n, n, piece)
+        out.append(text)
+        if reason:
+            return "".join(out), reason
+    return "".join(out), None
+
+
+@pytest.mark.parametrize("stop", ["return", "n <", "fib"])
+def test_stop_checker_emits_each_character_once_and_stops_before_the_stop_string(stop):
+    pieces = ["\n", "de", "f", " fib", "onacci", "(n", "):\n", "    if", " n", " <=", " 1", ":\n", "        return"]
+    full = "".join(pieces)
+    params = SamplingParams(temperature=0, max_tokens=100, stop=[stop])
+    text, reason = _stream(StopChecker(params, eos_ids=[0], max_new=100), pieces)
+    assert reason == "stop"
+    assert text == full[: full.index(stop)]
+
+
+def test_stop_checker_releases_held_text_at_the_length_limit():
+    pieces = ["a", "b", "c", "d"]
+    params = SamplingParams(temperature=0, max_tokens=4, stop=["a long stop string"])
+    assert _stream(StopChecker(params, eos_ids=[0], max_new=100), pieces) == ("abcd", "length")
+
+
+def test_stop_checker_eos_releases_the_held_text():
+    stopper = StopChecker(SamplingParams(temperature=0, max_tokens=9, stop=["xyz"]), eos_ids=[0], max_new=100)
+    assert stopper.check(5, 1, "ab") == ("", None)  # the last len("xyz") - 1 characters are held back
+    assert stopper.check(0, 2, "") == ("ab", "stop")
