@@ -16,13 +16,15 @@ Two ideas make B prompts of different lengths one forward:
 
 Batch invariance. A row's tokens must not depend on what else is in the batch, and fp32
 results are only reproducible when the same kernel computes them. Two rules here:
-- matmuls: this CPU's BLAS (MKL) computes a row bit-identically whenever the rows of the call
-  (M) are a multiple of 4, while a partial group of 1-3 rows takes other kernels. So forwards of
-  two or more rows run a multiple of ROW_MULTIPLE rows (dummy rows are added), and the prefill
-  pads its length to one. A batch of one is the exception: a single row takes the model's
-  one-row road (`model.linear`), about twice as fast as a 4-row product when the step is bound
-  by reading weights, so a solo run agrees with its row in a batch to fp32 rounding (the same
-  tokens, except at a genuine near-tie).
+- matmuls: `model.linear` multiplies two or more rows with oneDNN, whose rows are bit-identical
+  whatever the number of rows in the call. torch's own F.linear (MKL, the fallback where oneDNN
+  is missing or gradients are on) is row-stable only when the rows of the call (M) are a
+  multiple of 4; a partial group of 1-3 rows takes other kernels. So forwards of two or more
+  rows run a multiple of ROW_MULTIPLE rows (dummy rows are added, cheap when weights dominate),
+  and the prefill pads its length to one: both kernels then agree. A batch of one is the
+  exception: a single row takes the model's one-row road (`model.linear`'s embedding_bag),
+  faster than any product when the step is bound by reading weights, so a solo run agrees with
+  its row in a batch to fp32 rounding (the same tokens, except at a genuine near-tie).
 - attention: each row attends in a computation that sees only its own keys. The prefill calls
   the fused kernel once per row on exactly its real tokens; the decode step's masked softmax is
   written out as two matmuls, where masked keys add exact zeros.

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .cache import cached_session
 from .config import ModelConfig
 from .generate import NoCacheSession, Session, stream_generate
-from .model import Llama, linear
+from .model import ONEDNN, Llama, linear, onednn_linear
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .sampling import SamplingParams
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_callable
@@ -223,9 +223,14 @@ LAYOUTS: dict[str, tuple[Prepare, Call]] = {
     "x @ W, W [in,out]": (lambda w: w.t().contiguous(), lambda x, wt: x @ wt),
     # same (out, in) shape as the default, memory transposed: what model.linear_weight stores
     "F.linear, W stored [in,out]": (lambda w: w.t().contiguous().t(), lambda x, w: F.linear(x, w)),
+    # oneDNN's matrix product on the same stored weight: what model.linear uses for two rows or more
+    "oneDNN, W stored [in,out]": (lambda w: w.t().contiguous().t(), onednn_linear),
     # the same stored weight through model.linear: one row -> F.embedding_bag, a weighted sum of rows
     "embedding_bag, W stored [in,out] (nanoserve)": (lambda w: w.t().contiguous().t(), linear),
 }
+if not ONEDNN:
+    del LAYOUTS["oneDNN, W stored [in,out]"]
+
 
 
 def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:

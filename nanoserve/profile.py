@@ -15,7 +15,7 @@ The rules, in order:
    `o_proj`, `w_gate_up`/`w_down` are `mlp`, the (tied) head is `lm_head`, a norm's
    scale is `norms`. Weights are recognized by their memory, not their Python
    object, so a transposed view (`w.t()`) or whichever kernel the model picks for
-   the product (`F.linear`, `F.embedding_bag`...) is still found;
+   the product (`F.linear`, `F.embedding_bag`, `onednn_linear`...) is still found;
 2. everything the KV backend does is `attention` (we hand the model a backend
    that wraps the real one, through the model's own `kv=` argument);
 3. calls made from a function whose name says `norm` or `rope` go to that group;

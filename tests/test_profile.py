@@ -62,7 +62,7 @@ def test_summarize_rejects_bad_input():
 
 
 # the kernels a matrix product may reach: F.linear (GEMM), or embedding_bag (model.py's one-row road)
-PRODUCTS = {"linear", "embedding_bag", "matmul", "mm", "addmm"}
+PRODUCTS = {"linear", "onednn_linear", "embedding_bag", "matmul", "mm", "addmm"}
 
 
 @pytest.mark.parametrize("T", [1, 5])

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.bench import (
+    LAYOUTS,
     Row,
     _TimerStreamer,
     forward_sweep,
@@ -98,7 +99,7 @@ def test_layout_groups_cover_every_matrix_a_decode_step_reads(tiny_cfg):
 def test_layout_rates_rows(tiny_cfg):
     rows = layout_rates(tiny_cfg, repeats=1, groups=["o", "lm head"])
     assert {r["group"] for r in rows} == {"o", "lm head"}
-    assert len(rows) == 2 * 5 and all(r["gb_s"] > 0 for r in rows)
+    assert len(rows) == 2 * len(LAYOUTS) and all(r["gb_s"] > 0 for r in rows)
 
 
 def test_summary_medians_and_ratios():
