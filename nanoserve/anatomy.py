@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .config import CheckpointError
-from .model import Block, Llama, apply_rope, rms_norm, rope_cos_sin
+from .model import Block, Llama, apply_rope, linear, rms_norm, rope_cos_sin
 from .tokenizer import Tokenizer
 
 # ---------------------------------------------------------------- Day 01: the checkpoint on disk
@@ -269,16 +269,16 @@ def block_parts(block: Block, x: Tensor, cos: Tensor, sin: Tensor, layer: int, k
     B, T, _ = x.shape
     H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     p: dict[str, Tensor] = {"x": x, "attn_in": rms_norm(x, block.attn_norm, cfg.rms_norm_eps)}
-    q, k, v = F.linear(p["attn_in"], block.wqkv).split([H * D, K * D, K * D], dim=-1)
+    q, k, v = linear(p["attn_in"], block.wqkv).split([H * D, K * D, K * D], dim=-1)
     p["q"] = apply_rope(q.view(B, T, H, D), cos, sin)  # (B, T, H, D)
     p["k"] = apply_rope(k.view(B, T, K, D), cos, sin)  # (B, T, K, D)
     p["v"] = v.view(B, T, K, D)
-    p["attn_out"] = F.linear(kv(layer, p["q"], p["k"], p["v"]), block.wo)  # (B, T, C): what attention adds
+    p["attn_out"] = linear(kv(layer, p["q"], p["k"], p["v"]), block.wo)  # (B, T, C): what attention adds
     p["mid"] = x + p["attn_out"]
     p["mlp_in"] = rms_norm(p["mid"], block.mlp_norm, cfg.rms_norm_eps)
-    p["gate"], p["up"] = F.linear(p["mlp_in"], block.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
+    p["gate"], p["up"] = linear(p["mlp_in"], block.w_gate_up).chunk(2, dim=-1)  # (B, T, F) each
     p["act"] = F.silu(p["gate"]) * p["up"]  # SwiGLU
-    p["mlp_out"] = F.linear(p["act"], block.w_down)  # (B, T, C): what the MLP adds
+    p["mlp_out"] = linear(p["act"], block.w_down)  # (B, T, C): what the MLP adds
     p["out"] = p["mid"] + p["mlp_out"]
     return p
 
