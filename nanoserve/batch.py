@@ -132,13 +132,15 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tenso
     masked softmax: a row's result depends on nothing but its own keys, since masked keys add
     exact zeros. Each row needs at least one key in its mask.
 
-    q (R, 1, H, D), k/v (R, L, K, D), key_mask (R, L) True on keys in context -> (R, 1, H*D)."""
+    k/v come head-major, (R, K, L, D), as `BatchedPagedAttention` gathers them: both matmuls
+    then read them in place (a (R, L, K, D) gather needs a transposing copy of every key first).
+    q (R, 1, H, D), k/v (R, K, L, D), key_mask (R, L) True on keys in context -> (R, 1, H*D)."""
     R, _, H, D = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     qg = q.view(R, K, H // K, D)  # (R, K, rep, D): the query heads that share each kv head
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * D**-0.5  # (R, K, rep, L)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * D**-0.5  # (R, K, rep, L)
     scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.transpose(1, 2))  # (R, K, rep, D)
+    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (R, K, rep, D)
     return out.reshape(R, 1, H * D)
 
 
@@ -173,13 +175,16 @@ class BatchStep:
     write_rows: Tensor  # (n,) flat (row * T + t) indices of the new tokens that are written
     write_slots: Tensor  # (n,) their slots
     is_prefill: bool  # the new tokens are each row's whole history
+    key_rows: Tensor | None = None  # decode: (R * K * W * block_size,) rows of a layer's pool seen as
+    # (blocks * block_size * K, D), in (row, kv head, key) order: the gather that lands head-major
 
 
 class BatchedPagedAttention:
     """The KVBackend of one batched forward: write the new k/v into their slots, then attend.
 
     The prefill starts from empty tables, so the new tokens are each row's whole history. A
-    decode step gathers each row's blocks into an (R, W * block_size) rectangle of keys and masks
+    decode step gathers each row's blocks into an (R, K, W * block_size) rectangle of keys, one
+    row of D numbers at a time in the head-major order the attention matmuls read, and masks
     those past the row's context: the reference read, whose cost follows the longest row (the
     kernel treatment of Day 34 removes it)."""
 
@@ -198,10 +203,9 @@ class BatchedPagedAttention:
         self.cache.write(layer, s.write_slots, kf, vf)
         if s.is_prefill:
             return prefill_attention(q, k, v, s.context_lens.tolist())
-        W, bs = s.block_tables.shape[1], self.cache.block_size
-        flat = s.block_tables.reshape(-1)
-        kc = self.cache.k[layer].index_select(0, flat).view(R, W * bs, K, D)  # (R, L, K, D)
-        vc = self.cache.v[layer].index_select(0, flat).view(R, W * bs, K, D)
+        L = s.key_mask.shape[1]  # W * block_size keys per row
+        kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, L, D)
+        vc = self.cache.v[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, L, D)
         return decode_attention(q, kc, vc, s.key_mask)
 
 
@@ -270,9 +274,13 @@ class BatchedPagedKVCache:
         L = block_tables.shape[1] * self.block_size
         key_mask = torch.arange(L)[None, :] < context_lens[:, None]  # (R, L)
         slot_mapping = torch.tensor(slots + [-1] * (R - B))[:, None]  # (R, 1)
+        K = self.cache.k.shape[-2]
+        key_slots = (block_tables[:, :, None] * self.block_size + torch.arange(self.block_size)).view(R, 1, L)
+        key_rows = (key_slots * K + torch.arange(K)[None, :, None]).reshape(-1)  # (R, K, L) flattened
         return BatchStep(positions=(context_lens - 1)[:, None], slot_mapping=slot_mapping,
                          block_tables=block_tables, context_lens=context_lens, key_mask=key_mask,
-                         write_rows=torch.arange(B), write_slots=torch.tensor(slots), is_prefill=False)
+                         write_rows=torch.arange(B), write_slots=torch.tensor(slots), is_prefill=False,
+                         key_rows=key_rows)
 
     def _block_tables(self, R: int) -> Tensor:
         """(R, W) physical blocks per row; dummy rows borrow row 0's table."""

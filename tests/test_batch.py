@@ -82,14 +82,14 @@ def test_prefill_attention_ignores_padding_and_never_makes_nan():
 
 def test_decode_attention_reads_only_keys_in_context():
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 32, 2, 16), torch.randn(2, 32, 2, 16)
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)  # k/v (R, K, L, D)
     mask = torch.arange(32)[None] < torch.tensor([[3], [32]])
     out = decode_attention(q, k, v, mask)
     k2 = k.clone()
-    k2[0, 3:] = 1e4
+    k2[0, :, 3:] = 1e4
     assert torch.equal(decode_attention(q, k2, v, mask), out)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q[:1].transpose(1, 2), k[:1, :3].transpose(1, 2), v[:1, :3].transpose(1, 2), enable_gqa=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q[:1].transpose(1, 2), k[:1, :, :3], v[:1, :, :3],
+                                                           enable_gqa=True)
     torch.testing.assert_close(out[0].view(4, 16), ref[0, :, 0], atol=1e-6, rtol=0)
 
 
@@ -113,6 +113,26 @@ def test_each_row_has_its_own_block_table(tiny_cfg):
     kv.free()
     assert kv.cache.pool.num_free == kv.cache.num_blocks
     kv.cache.pool.check()
+
+
+def test_decode_gather_reads_each_rows_own_history_head_major(tiny_cfg):
+    """The decode step's one-index gather (key_rows) lands each row's keys (R, K, L, D) exactly as the
+    reference read of that row's block table (PagedKVCache.gather), for every layer."""
+    kv = BatchedPagedKVCache.for_batch(tiny_cfg, [5, 1, 9], max_new_tokens=4, block_size=4)
+    kv.prefill_step(pad_batch([[1] * 5, [2], [3] * 9]))
+    g = torch.Generator().manual_seed(0)
+    kv.cache.k.copy_(torch.randn(kv.cache.k.shape, generator=g))  # every slot a different number
+    kv.cache.v.copy_(torch.randn(kv.cache.v.shape, generator=g))
+    step = kv.decode_step([7, 8, 9])
+    R, L = step.key_mask.shape
+    K, D = tiny_cfg.n_kv_heads, tiny_cfg.head_dim
+    for layer in range(tiny_cfg.n_layers):
+        for pool in (kv.cache.k, kv.cache.v):
+            got = pool[layer].view(-1, D).index_select(0, step.key_rows).view(R, K, L, D)
+            for i, table in enumerate(kv.tables):
+                n = table.num_tokens
+                ref = (kv.cache.gather(layer, table.blocks, n)[0 if pool is kv.cache.k else 1])  # (n, K, D)
+                assert torch.equal(got[i, :, :n], ref.transpose(0, 1))
 
 
 def test_dummy_rows_of_a_decode_step_stay_finite(tiny_model):
