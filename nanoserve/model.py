@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -140,37 +141,69 @@ def _has_onednn() -> bool:
 ONEDNN = _has_onednn()
 
 
+PACK_ROWS = 32
+"""The row count oneDNN blocks a packed weight for; calls of any other count (2 or more) read it too."""
+
+_PACKED: dict[int, tuple[weakref.ref, int, Tensor]] = {}
+"""id(weight) -> (the weight, weakly; its version when packed; oneDNN's blocked copy). The entry
+goes when the weight does. (Keyed by id: a tensor's == is elementwise, so it cannot be a key.)"""
+
+
+def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
+    """Keep a copy of w in oneDNN's blocked layout beside it, for `linear` to read; False where
+    there is no oneDNN or w is not fp32 on the CPU. The copy costs w's bytes again. It is
+    ignored once w is written (its version moves on), so it can never serve stale weights."""
+    if not (ONEDNN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2):
+        return False
+    with torch.inference_mode(False), torch.no_grad():
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    if id(w) not in _PACKED:
+        weakref.finalize(w, _PACKED.pop, id(w), None)
+    _PACKED[id(w)] = (weakref.ref(w), w._version, blocked)
+    return True
+
+
+def packed(w: Tensor) -> Tensor | None:
+    """w's blocked copy, if it has a current one."""
+    entry = _PACKED.get(id(w))
+    return entry[2] if entry is not None and entry[0]() is w and entry[1] == w._version else None
+
+
 def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x @ w.T through oneDNN's matrix product (torch's bundled mkldnn), on w as it is stored.
+    """x @ w.T through oneDNN's matrix product (torch's bundled mkldnn): on w's packed copy if it
+    has one, else on w as it is stored.
 
     A torch.ops call is invisible to torch-function modes; routing it through this function
-    lets tools that watch torch calls (the Day 12 profiler) see the product."""
+    lets tools that watch torch calls (the Day 12 profiler) see the product, and its weight."""
     if has_torch_function((x, w)):
         return handle_torch_function(onednn_linear, (x, w), x, w)
-    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+    wp = packed(w)
+    return torch.ops.mkldnn._linear_pointwise(x, w if wp is None else wp, None, "none", [], "")
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the fastest honest road for x's rows.
 
-    One row (a batch-1 decode step) is a matrix-vector product: 2 FLOPs per 4-byte weight, so
-    its speed is how fast w streams from memory. With w stored [in, out] (`linear_weight`),
-    x @ w.T = sum_i x[i] * w.T[i], a weighted sum of contiguous rows, which is exactly what
-    F.embedding_bag computes (mode="sum", per_sample_weights=x). Its kernel streams memory near
-    full bandwidth: on this CPU about twice F.linear on the checkpoint's (out, in) layout, and
-    faster than BLAS on the (in, out) one (Day 11 measures all of them).
-    The rows are summed in bags of BAG_ROWS and the partial sums added at the end: one long
-    running sum rounds more than BLAS's blocked one (2e-4 off an fp64 forward in the logits,
-    where transformers' fp32 is 1e-4 off); in bags of 16 it is 5e-5 off, the best of the sizes
-    tried (16 to 128). Bags grow only where the partial sums would pass PARTIAL_SUMS (the LM head:
-    54 rows).
-
     Two or more rows (prefill, batched decode) are a matrix product. torch's F.linear hands it
     to MKL, which on an AMD CPU runs its AVX2 code; oneDNN, also inside torch, picks the kernel
-    by what the CPU can do (AVX-512 here) and is about twice as fast on these shapes, reading the
-    same [in, out] weight with no copy (Day 29 measures both). Its rows are bit-identical whatever
-    else is in the call, which batching relies on. It has no backward, so with gradients on, or
-    on a build without it, F.linear does the work.
+    by what the CPU can do (AVX-512 here) and is about twice as fast on these shapes (Day 29
+    measures both). It reads the [in, out] weight as stored, or faster still a copy `pack` made
+    in its own blocked layout (`load_model` packs every matrix). Its rows are bit-identical
+    whatever else is in a call of two or more rows, which batching relies on. It has no
+    backward, so with gradients on, or on a build without it, F.linear does the work.
+
+    One row (a batch-1 decode step) is a matrix-vector product: 2 FLOPs per 4-byte weight, so
+    its speed is how fast w streams from memory. On a weight stored [in, out] (`linear_weight`),
+    x @ w.T = sum_i x[i] * w.T[i], a weighted sum of contiguous rows, which is exactly what
+    F.embedding_bag computes (mode="sum", per_sample_weights=x); its kernel streams faster than
+    either library's product on that layout (Day 11 measures them all). A packed copy would be
+    about 10% faster still, but the bag rounds about 4x less per product (measured against fp64
+    on the model's matrices), and batch 1 is where logits are held to the reference within 1e-4:
+    so one row keeps this road. The rows are summed in bags of BAG_ROWS and the partial sums
+    added at the end: one long running sum rounds more than BLAS's blocked one (2e-4 off an fp64
+    forward in the logits, where transformers' fp32 is 1e-4 off); in bags of 16 it is 5e-5 off,
+    the best of the sizes tried (16 to 128). Bags grow only where the partial sums would pass
+    PARTIAL_SUMS (the LM head: 54 rows).
     """
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
@@ -295,6 +328,13 @@ class Llama(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
         return model.to(dtype).eval()
+
+    def pack_weights(self, rows: int = PACK_ROWS) -> int:
+        """Give every matrix a oneDNN-blocked copy (`pack`): faster products at every row count, for
+        the memory of the weights once more. Returns the bytes added (0 where oneDNN is absent)."""
+        mats = {id(w): w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)}
+        mats[id(self.lm_head)] = self.lm_head
+        return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once

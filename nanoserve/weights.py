@@ -92,9 +92,10 @@ def load_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    folder: str | Path, dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None
+    folder: str | Path, dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None, pack: bool = True,
 ) -> Llama:
-    """A `Llama` with the folder's weights, in `dtype`, in eval mode.
+    """A `Llama` with the folder's weights, in `dtype`, in eval mode; with `pack`, its matrices
+    also get oneDNN's blocked copies (`Llama.pack_weights`: faster, the weights' memory again).
 
     >>> model = load_model(fetch.default_model_dir())   # doctest: +SKIP
     """
@@ -117,7 +118,10 @@ def load_model(
             blk.wo.copy_(sd[p + "self_attn.o_proj.weight"])
             blk.w_gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
             blk.w_down.copy_(sd[p + "mlp.down_proj.weight"])
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if pack:
+        model.pack_weights()
+    return model
 
 
 def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:

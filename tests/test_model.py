@@ -136,3 +136,47 @@ def test_linear_rows_do_not_depend_on_the_other_rows():
             assert torch.equal(linear(x[:m], w), full[:m]), m
         perm = torch.randperm(32, generator=g)
         assert torch.equal(linear(x[perm], w), full[perm])
+
+
+def test_packed_weights_give_the_same_products_and_never_go_stale():
+    import gc
+
+    from nanoserve.model import _PACKED, ONEDNN, linear, linear_weight, pack, packed
+
+    if not ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+    g = torch.Generator().manual_seed(2)
+    w = linear_weight(1536, 576)
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=g) / 24)
+    x = torch.randn(40, 576, generator=g)
+    with torch.inference_mode():
+        plain = linear(x, w)
+        assert pack(w) and packed(w) is not None
+        full = linear(x, w)
+        torch.testing.assert_close(full, plain, atol=1e-5, rtol=1e-5)
+        for m in range(2, 41):  # batch invariance holds on the packed copy too
+            assert torch.equal(linear(x[:m], w), full[:m]), m
+        torch.testing.assert_close(linear(x[:1], w), plain[:1], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        w.mul_(2.0)  # a write: the packed copy is now stale and must not be read
+    assert packed(w) is None
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), 2 * plain, atol=1e-5, rtol=1e-5)
+    key = id(w)
+    del w
+    gc.collect()
+    assert key not in _PACKED  # the copy goes with its weight
+
+
+def test_pack_weights_packs_every_matrix_once(tiny_cfg):
+    from nanoserve.model import ONEDNN, packed
+
+    if not ONEDNN:
+        pytest.skip("this torch build has no oneDNN")
+    tiny_model = Llama.random(tiny_cfg, seed=0)  # its own: the session's tiny model stays unpacked
+    added = tiny_model.pack_weights()
+    mats = [w for blk in tiny_model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    mats.append(tiny_model.lm_head)
+    assert all(packed(w) is not None for w in mats)
+    assert added == sum(w.numel() * w.element_size() for w in mats)
