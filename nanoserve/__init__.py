@@ -19,12 +19,12 @@ __all__ = [
 ]
 
 
-def load(model_dir: str | Path | None = None, dtype=None) -> tuple[Llama, Tokenizer]:
+def load(model_dir: str | Path | None = None, dtype=None, pack: bool = True) -> tuple[Llama, Tokenizer]:
     """The model and tokenizer of a checkpoint folder; with no folder, the fetched SmolLM2
-    (fetched and converted on first use)."""
+    (fetched and converted on first use). `pack`: see `load_model`."""
     import torch
 
     from .fetch import ensure_model
 
     folder = Path(model_dir) if model_dir else ensure_model()
-    return load_model(folder, dtype or torch.float32), Tokenizer.from_folder(folder)
+    return load_model(folder, dtype or torch.float32, pack=pack), Tokenizer.from_folder(folder)

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .cache import cached_session
 from .config import ModelConfig
 from .generate import NoCacheSession, Session, stream_generate
-from .model import ONEDNN, Llama, linear, onednn_linear
+from .model import ONEDNN, Llama, linear, onednn_linear, pack
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .sampling import SamplingParams
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_callable
@@ -214,6 +214,13 @@ def _write_csv(path: Path, header: list[str], rows: list[dict]) -> None:
 # ---- layout: how fast each candidate streams a decode step's weights -------------------------------
 
 
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(False):
+        w = w.clone()  # a normal tensor (one made in inference mode keeps no version, so `pack` refuses it)
+    pack(w)  # the blocked copy lives beside w, as long as w does
+    return w
+
+
 # name -> (prepare the stored weight from W (out, in), the batch-1 call on it)
 Prepare = Callable[[torch.Tensor], torch.Tensor]
 Call = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -223,13 +230,15 @@ LAYOUTS: dict[str, tuple[Prepare, Call]] = {
     "x @ W, W [in,out]": (lambda w: w.t().contiguous(), lambda x, wt: x @ wt),
     # same (out, in) shape as the default, memory transposed: what model.linear_weight stores
     "F.linear, W stored [in,out]": (lambda w: w.t().contiguous().t(), lambda x, w: F.linear(x, w)),
-    # oneDNN's matrix product on the same stored weight: what model.linear uses for two rows or more
+    # oneDNN's matrix product on the same stored weight, and on a copy in its own blocked layout
+    # (`model.pack`): what model.linear uses for two rows or more
     "oneDNN, W stored [in,out]": (lambda w: w.t().contiguous().t(), onednn_linear),
+    "oneDNN, W packed": (lambda w: _packed(w.t().contiguous().t()), onednn_linear),
     # the same stored weight through model.linear: one row -> F.embedding_bag, a weighted sum of rows
     "embedding_bag, W stored [in,out] (nanoserve)": (lambda w: w.t().contiguous().t(), linear),
 }
 if not ONEDNN:
-    del LAYOUTS["oneDNN, W stored [in,out]"]
+    del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]
 
 
 

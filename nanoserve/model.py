@@ -153,8 +153,8 @@ def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
     """Keep a copy of w in oneDNN's blocked layout beside it, for `linear` to read; False where
     there is no oneDNN or w is not fp32 on the CPU. The copy costs w's bytes again. It is
     ignored once w is written (its version moves on), so it can never serve stale weights."""
-    if not (ONEDNN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2):
-        return False
+    if not (ONEDNN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
+        return False  # (an inference tensor keeps no version: a write to it could not be seen)
     with torch.inference_mode(False), torch.no_grad():
         blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
     if id(w) not in _PACKED:
