@@ -22,9 +22,9 @@ results are only reproducible when the same kernel computes them. Two rules here
   multiple of 4; a partial group of 1-3 rows takes other kernels. So forwards of two or more
   rows run a multiple of ROW_MULTIPLE rows (dummy rows are added, cheap when weights dominate),
   and the prefill pads its length to one: both kernels then agree. A batch of one is the
-  exception: a single row takes the model's one-row road (`model.linear`'s embedding_bag),
-  faster than any product when the step is bound by reading weights, so a solo run agrees with
-  its row in a batch to fp32 rounding (the same tokens, except at a genuine near-tie).
+  exception: a single row takes the model's one-row road (`model.linear`'s embedding_bag, fast
+  where the step is bound by reading weights and the most accurate road), so a solo run agrees
+  with its row in a batch to fp32 rounding (the same tokens, except at a genuine near-tie).
 - attention: each row attends in a computation that sees only its own keys. The prefill calls
   the fused kernel once per row on exactly its real tokens; the decode step's masked softmax is
   written out as two matmuls, where masked keys add exact zeros.

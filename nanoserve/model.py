@@ -330,8 +330,8 @@ class Llama(nn.Module):
         return model.to(dtype).eval()
 
     def pack_weights(self, rows: int = PACK_ROWS) -> int:
-        """Give every matrix a oneDNN-blocked copy (`pack`): faster products at every row count, for
-        the memory of the weights once more. Returns the bytes added (0 where oneDNN is absent)."""
+        """Give every matrix a oneDNN-blocked copy (`pack`): faster products of two or more rows (prefill,
+        batches), for the memory of the weights once more. Returns the bytes added (0 without oneDNN)."""
         mats = {id(w): w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)}
         mats[id(self.lm_head)] = self.lm_head
         return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
