@@ -77,3 +77,15 @@ def test_rows_of_two_batches_are_bit_identical(model, prompts):
         return torch.stack([sb.prefill()] + [sb.step() for _ in range(3)], 1)  # (B, 4, V)
     a, b = logits(prompts[:3]), logits(prompts[2:8])
     assert torch.equal(a[2], b[0])
+
+
+def test_a_row_is_bit_identical_beside_a_much_longer_row(model, tok, prompts):
+    """The decode step's gathered rectangle is as wide as the longest row: a short row's keys then sit
+    beside hundreds of masked ones. Masked keys add exact zeros, so its logits do not move."""
+    long = tok.encode("Once upon a time, in a small village by the river, there lived an old miller " * 12)
+    def logits(ps):
+        sb = StaticBatch(model, ps, [4] * len(ps), block_size=16)
+        return torch.stack([sb.prefill()] + [sb.step() for _ in range(4)], 1)  # (B, 5, V)
+    narrow, wide = logits([prompts[0], prompts[3]]), logits([prompts[0], long])
+    assert len(long) > 150
+    assert torch.equal(narrow[0], wide[0])
