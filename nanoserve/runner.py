@@ -164,24 +164,6 @@ def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clo
 # ---- the machine's roofline, beside the sweep ------------------------------------------------------
 
 
-def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 5) -> float | None:
-    """fp32 FLOP/s of an n x n x n product through oneDNN (torch's bundled mkldnn), or None without it.
-
-    torch's own matmul goes to MKL, which on a non-Intel CPU may run a narrower code path than the
-    chip has; oneDNN picks kernels by the CPU's instruction set. The larger of the two is the peak."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    a, w = torch.randn(n, n), torch.randn(n, n).to_mkldnn()
-    fn = lambda: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = DEFAULT_CLOCK()
-        fn()
-        times.append(DEFAULT_CLOCK() - t0)
-    return 2 * n**3 / sorted(times)[len(times) // 2]
-
-
 @dataclass(frozen=True)
 class StepRoofline:
     """Where a decode step of B rows sits: its FLOPs, its bytes, and the best time the machine allows."""
@@ -338,9 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 rounds=args.rounds, transformers_same_tokens=all(same.values()) if same else None)
     if not args.no_roofline:
         roof = measure_roofline()
-        meta.update(peak_flops_torch=roof.peak_flops, peak_flops_onednn=measure_onednn_gemm_flops(),
+        meta.update(peak_flops_torch=roof.matmul_flops, peak_flops_onednn=roof.onednn_flops,
                     read_bandwidth=roof.read_bandwidth, copy_bandwidth=roof.copy_bandwidth)
-        print(f"\nroofline: {roof.describe()}; oneDNN GEMM {(meta['peak_flops_onednn'] or 0) / 1e9:.0f} GFLOP/s")
+        print(f"\nroofline: {roof.describe()}")
     meta["loadavg_end"] = os.getloadavg()[0]
     print(f"\nsweep: {PROMPTS[0]!r} ({len(prompts[0])} tokens) x B rows, {args.steps} decode steps x {args.rounds} "
           f"rounds, median step; transformers' generate interleaved (same tokens: {meta['transformers_same_tokens']})")
