@@ -127,21 +127,36 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int]) -
     return out.view(R, T, H * D)
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor) -> Tensor:
-    """One new query per row over that row's gathered keys (grouped-query), as two matmuls and a
-    masked softmax: a row's result depends on nothing but its own keys, since masked keys add
-    exact zeros. Each row needs at least one key in its mask.
+def decode_attention(q: Tensor, k: Tensor, values: Tensor, value_bags: tuple[Tensor, Tensor],
+                     key_mask: Tensor) -> Tensor:
+    """One new query per row over that row's keys (grouped-query): scores as one matmul, a masked
+    softmax, then each query head's weighted sum of its value rows. A row's result depends on
+    nothing but its own keys: masked keys get probability exactly 0 and add exact zeros (the pool
+    holds finite numbers: zeros until written). Each row needs at least one key in its mask.
 
-    k/v come head-major, (R, K, L, D), as `BatchedPagedAttention` gathers them: both matmuls
-    then read them in place (a (R, L, K, D) gather needs a transposing copy of every key first).
-    q (R, 1, H, D), k/v (R, K, L, D), key_mask (R, L) True on keys in context -> (R, 1, H*D)."""
+    Keys come gathered head-major, (R, K, L, D), as `BatchedPagedAttention` reads them, so the
+    matmul reads them in place. Values are not gathered at all: the weighted sum of rows is what
+    F.embedding_bag computes (Day 13's decode attention does the same), straight from the layer's
+    pool seen as (rows, D), `value_bags` (from `value_bags`) saying which rows each head sums.
+    q (R, 1, H, D), k (R, K, L, D), key_mask (R, L) True on keys in context -> (R, 1, H*D)."""
     R, _, H, D = q.shape
     K = k.shape[1]
     qg = q.view(R, K, H // K, D)  # (R, K, rep, D): the query heads that share each kv head
     scores = torch.matmul(qg, k.transpose(-1, -2)) * D**-0.5  # (R, K, rep, L)
     scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v)  # (R, K, rep, D)
-    return out.reshape(R, 1, H * D)
+    rows, offsets = value_bags
+    out = F.embedding_bag(rows, values, offsets, mode="sum",
+                          per_sample_weights=torch.softmax(scores, dim=-1).reshape(-1))  # (R * H, D)
+    return out.view(R, 1, H * D)
+
+
+def value_bags(key_rows: Tensor, batch_rows: int, n_kv_heads: int, rep: int) -> tuple[Tensor, Tensor]:
+    """embedding_bag indices for `decode_attention`: one bag per (row, query head), holding the
+    pool rows of that row's keys under the head's kv head, in key order. key_rows (R * K * L,)."""
+    rows = key_rows.view(batch_rows, n_kv_heads, 1, -1)
+    L = rows.shape[-1]
+    rows = rows.expand(-1, -1, rep, -1).reshape(-1)  # (R * K * rep * L,)
+    return rows, torch.arange(0, rows.numel(), L)
 
 
 def logits_at(model: Llama, h: Tensor, index: Tensor) -> Tensor:
@@ -184,12 +199,13 @@ class BatchedPagedAttention:
 
     The prefill starts from empty tables, so the new tokens are each row's whole history. A
     decode step gathers each row's blocks into an (R, K, W * block_size) rectangle of keys, one
-    row of D numbers at a time in the head-major order the attention matmuls read, and masks
-    those past the row's context: the reference read, whose cost follows the longest row (the
-    kernel treatment of Day 34 removes it)."""
+    row of D numbers at a time in the head-major order the scores' matmul reads, masks those past
+    the row's context, and sums the value rows straight from the pool: the reference read, whose
+    cost follows the longest row (the kernel treatment of Day 34 removes it)."""
 
     def __init__(self, cache: PagedKVCache, step: BatchStep):
         self.cache, self.step = cache, step
+        self._value_bags: tuple[Tensor, Tensor] | None = None  # the same for every layer of the step
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         R, T, H, D = q.shape  # k, v: (R, T, K, D)
@@ -205,8 +221,9 @@ class BatchedPagedAttention:
             return prefill_attention(q, k, v, s.context_lens.tolist())
         L = s.key_mask.shape[1]  # W * block_size keys per row
         kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, L, D)
-        vc = self.cache.v[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, L, D)
-        return decode_attention(q, kc, vc, s.key_mask)
+        if self._value_bags is None:
+            self._value_bags = value_bags(s.key_rows, R, K, H // K)
+        return decode_attention(q, kc, self.cache.v[layer].view(-1, D), self._value_bags, s.key_mask)
 
 
 class BatchedPagedKVCache:

@@ -17,6 +17,7 @@ from nanoserve.batch import (
     pad_batch,
     padded_prefill,
     prefill_attention,
+    value_bags,
 )
 from nanoserve.generate import greedy_ids
 
@@ -82,15 +83,22 @@ def test_prefill_attention_ignores_padding_and_never_makes_nan():
 
 def test_decode_attention_reads_only_keys_in_context():
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 2, 32, 16), torch.randn(2, 2, 32, 16)  # k/v (R, K, L, D)
-    mask = torch.arange(32)[None] < torch.tensor([[3], [32]])
-    out = decode_attention(q, k, v, mask)
-    k2 = k.clone()
-    k2[0, :, 3:] = 1e4
-    assert torch.equal(decode_attention(q, k2, v, mask), out)
-    ref = torch.nn.functional.scaled_dot_product_attention(q[:1].transpose(1, 2), k[:1, :, :3], v[:1, :, :3],
-                                                           enable_gqa=True)
-    torch.testing.assert_close(out[0].view(4, 16), ref[0, :, 0], atol=1e-6, rtol=0)
+    R, H, K, L, D = 2, 4, 2, 32, 16
+    q, k = torch.randn(R, 1, H, D), torch.randn(R, K, L, D)  # k gathered head-major (R, K, L, D)
+    pool = torch.randn(R * K * L + 5, D)  # values stay in a pool: row key_rows[r, k, l] holds v[r, k, l]
+    key_rows = torch.randperm(pool.shape[0])[: R * K * L]
+    bags = value_bags(key_rows, R, K, H // K)
+    mask = torch.arange(L)[None] < torch.tensor([[3], [L]])
+    out = decode_attention(q, k, pool, bags, mask)
+    k2, pool2 = k.clone(), pool.clone()
+    k2[0, :, 3:] = 1e4  # whatever sits past a row's context is never read
+    pool2[key_rows.view(R, K, L)[0, :, 3:].reshape(-1)] = 1e4
+    assert torch.equal(decode_attention(q, k2, pool2, bags, mask), out)
+    v = pool[key_rows].view(R, K, L, D)
+    for r, n in enumerate([3, L]):
+        ref = torch.nn.functional.scaled_dot_product_attention(q[r : r + 1].transpose(1, 2), k[r : r + 1, :, :n],
+                                                               v[r : r + 1, :, :n], enable_gqa=True)
+        torch.testing.assert_close(out[r].view(H, D), ref[0, :, 0], atol=1e-6, rtol=0)
 
 
 # ---- the batched paged cache -------------------------------------------------------------------
