@@ -98,15 +98,23 @@ def test_real_logits_match_transformers(model, hf_model):
     assert (ours - exact).abs().max().item() < 2 * (theirs - exact).abs().max().item()
 
 
+def random_linear_weight(n_out: int, n_in: int, g: torch.Generator) -> torch.nn.Parameter:
+    """A model-layout weight ((out, in) shape, [in, out] memory) with values of a trained layer's scale."""
+    from nanoserve.model import linear_weight
+
+    w = linear_weight(n_out, n_in)
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=g) / n_in**0.5)
+    return w
+
+
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
 def test_linear_agrees_with_f_linear_on_every_road(shape):
     """One row (embedding_bag), several rows (oneDNN when present), gradients on (F.linear)."""
-    from nanoserve.model import linear, linear_weight
+    from nanoserve.model import linear
 
     g = torch.Generator().manual_seed(0)
-    w = linear_weight(*shape)
-    with torch.no_grad():
-        w.copy_(torch.randn(shape, generator=g) / shape[1] ** 0.5)
+    w = random_linear_weight(*shape, g)
     x = torch.randn(2, 9, shape[1], generator=g)
     ref = torch.nn.functional.linear(x.double(), w.double())
     with torch.inference_mode():
@@ -122,12 +130,10 @@ def test_linear_rows_do_not_depend_on_the_other_rows():
     """Batch invariance (nanoserve/batch.py): a row's product is bit-identical whatever else is in the call,
     for every call of ROW_MULTIPLE-multiple rows (both kernels), and for any 2+ rows under oneDNN."""
     from nanoserve.batch import ROW_MULTIPLE
-    from nanoserve.model import ONEDNN, linear, linear_weight
+    from nanoserve.model import ONEDNN, linear
 
     g = torch.Generator().manual_seed(1)
-    w = linear_weight(3072, 576)
-    with torch.no_grad():
-        w.copy_(torch.randn(w.shape, generator=g) / 24)
+    w = random_linear_weight(3072, 576, g)
     x = torch.randn(32, 576, generator=g)
     with torch.inference_mode():
         full = linear(x, w)
@@ -141,14 +147,12 @@ def test_linear_rows_do_not_depend_on_the_other_rows():
 def test_packed_weights_give_the_same_products_and_never_go_stale():
     import gc
 
-    from nanoserve.model import _PACKED, ONEDNN, linear, linear_weight, pack, packed
+    from nanoserve.model import _PACKED, ONEDNN, linear, pack, packed
 
     if not ONEDNN:
         pytest.skip("this torch build has no oneDNN")
     g = torch.Generator().manual_seed(2)
-    w = linear_weight(1536, 576)
-    with torch.no_grad():
-        w.copy_(torch.randn(w.shape, generator=g) / 24)
+    w = random_linear_weight(1536, 576, g)
     x = torch.randn(40, 576, generator=g)
     with torch.inference_mode():
         plain = linear(x, w)
