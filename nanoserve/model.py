@@ -133,7 +133,8 @@ def _bags(n_in: int, n_out: int, device: torch.device) -> tuple[Tensor, Tensor]:
 def _has_onednn() -> bool:
     """Whether this torch build carries oneDNN's linear (x86 and most ARM builds do)."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
     except (AttributeError, RuntimeError):
         return False
 
