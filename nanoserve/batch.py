@@ -27,7 +27,7 @@ results are only reproducible when the same kernel computes them. Two rules here
   with its row in a batch to fp32 rounding (the same tokens, except at a genuine near-tie).
 - attention: each row attends in a computation that sees only its own keys. The prefill calls
   the fused kernel once per row on exactly its real tokens; the decode step's masked softmax is
-  written out as two matmuls, where masked keys add exact zeros.
+  written out (a scores matmul, then a weighted sum of value rows), where masked keys add exact zeros.
 
 >>> greedy_generate_batch(model, [tok.encode("Hi"), tok.encode("The capital of France is")],
 ...                       max_new_tokens=[2, 4])                        # doctest: +SKIP

@@ -241,7 +241,6 @@ if not ONEDNN:
     del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]
 
 
-
 def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
     """The (out, in) matrices one decode step reads, grouped; fused and split forms of q/k/v, gate/up."""
     C, D, L = cfg.hidden_size, cfg.head_dim, cfg.n_layers

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .model import ONEDNN, onednn_linear, pack
 
 
 def decode_limit_tok_s(weight_bytes: float, bandwidth: float) -> float:
@@ -131,8 +132,6 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
     torch.matmul goes to MKL, which on a non-Intel CPU may run a narrower code path than the chip
     has; oneDNN picks kernels by the CPU's instruction set. The weight is packed into oneDNN's
     blocked layout first, as nanoserve's are: the fastest product measured here."""
-    from .model import ONEDNN, onednn_linear, pack
-
     if not ONEDNN:
         return None
     with torch.inference_mode(False):  # a weight `pack` can version (and packed, as nanoserve's are)
