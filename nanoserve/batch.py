@@ -48,6 +48,7 @@ from .config import ModelConfig
 from .generate import check_prompt
 from .model import Llama, linear
 from .paged import BlockTable, PagedKVCache
+from .sampling import argmax_rows
 
 ROW_MULTIPLE = 4
 """Rows per forward of a batch (and the prefill length) are rounded up to this: one GEMM kernel for every row."""
@@ -128,26 +129,35 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int]) -
 
 
 def decode_attention(q: Tensor, k: Tensor, values: Tensor, value_bags: tuple[Tensor, Tensor],
-                     key_mask: Tensor) -> Tensor:
-    """One new query per row over that row's keys (grouped-query): scores as one matmul, a masked
-    softmax, then each query head's weighted sum of its value rows. A row's result depends on
-    nothing but its own keys: masked keys get probability exactly 0 and add exact zeros (the pool
-    holds finite numbers: zeros until written). Each row needs at least one key in its mask.
+                     key_bias: Tensor) -> Tensor:
+    """One new query per row over that row's keys (grouped-query): scores as one batched matmul
+    that also adds the mask, a softmax, then each query head's weighted sum of its value rows. A
+    row's result depends on nothing but its own keys: a key past the row's context gets bias -inf,
+    so probability exactly 0, and adds exact zeros (the pool holds finite numbers: zeros until
+    written). Each row needs at least one key in context.
 
     Keys come gathered head-major, (R, K, L, D), as `BatchedPagedAttention` reads them, so the
     matmul reads them in place. Values are not gathered at all: the weighted sum of rows is what
     F.embedding_bag computes (Day 13's decode attention does the same), straight from the layer's
     pool seen as (rows, D), `value_bags` (from `value_bags`) saying which rows each head sums.
-    q (R, 1, H, D), k (R, K, L, D), key_mask (R, L) True on keys in context -> (R, 1, H*D)."""
+    q (R, 1, H, D), k (R, K, L, D), key_bias (R * K, 1, L) from `key_bias` -> (R, 1, H*D)."""
     R, _, H, D = q.shape
-    K = k.shape[1]
-    qg = q.view(R, K, H // K, D)  # (R, K, rep, D): the query heads that share each kv head
-    scores = torch.matmul(qg, k.transpose(-1, -2)) * D**-0.5  # (R, K, rep, L)
-    scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+    K, L = k.shape[1], k.shape[2]
+    qg = q.reshape(R * K, H // K, D)  # the query heads that share each kv head
+    # bias + scale * q @ k.T in one call: the 0/-inf bias adds exactly what a masked_fill would, and
+    # the scale rounds as a separate multiply does; two kernels fewer per layer
+    scores = torch.baddbmm(key_bias, qg, k.view(R * K, L, D).transpose(1, 2), alpha=D**-0.5)  # (R*K, rep, L)
     rows, offsets = value_bags
     out = F.embedding_bag(rows, values, offsets, mode="sum",
-                          per_sample_weights=torch.softmax(scores, dim=-1).reshape(-1))  # (R * H, D)
+                          per_sample_weights=torch.softmax(scores, dim=-1).view(-1))  # (R * H, D)
     return out.view(R, 1, H * D)
+
+
+def key_bias(key_mask: Tensor, n_kv_heads: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """`decode_attention`'s mask as an additive bias: 0 on keys in context, -inf past it, one
+    (1, L) row per (row, kv head), broadcast over that head's query heads. key_mask (R, L)."""
+    bias = torch.zeros(key_mask.shape, dtype=dtype).masked_fill_(~key_mask, float("-inf"))
+    return bias[:, None, None, :].expand(-1, n_kv_heads, -1, -1).reshape(-1, 1, key_mask.shape[1])
 
 
 def value_bags(key_rows: Tensor, batch_rows: int, n_kv_heads: int, rep: int) -> tuple[Tensor, Tensor]:
@@ -205,25 +215,25 @@ class BatchedPagedAttention:
 
     def __init__(self, cache: PagedKVCache, step: BatchStep):
         self.cache, self.step = cache, step
-        self._value_bags: tuple[Tensor, Tensor] | None = None  # the same for every layer of the step
+        self._value_bags: tuple[Tensor, Tensor] | None = None  # the same for every layer of the step ...
+        self._key_bias: Tensor | None = None  # ... made on the first layer's call
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         R, T, H, D = q.shape  # k, v: (R, T, K, D)
         s, K = self.step, k.shape[2]
-        kf, vf = k.reshape(R * T, K, D), v.reshape(R * T, K, D)
-        n = s.write_rows.numel()
-        if not s.is_prefill:  # a decode step's real rows come first: the rest are dummies
-            kf, vf = kf[:n], vf[:n]
-        elif n != R * T:  # a prefill writes its real tokens, not the padding
-            kf, vf = kf.index_select(0, s.write_rows), vf.index_select(0, s.write_rows)
-        self.cache.write(layer, s.write_slots, kf, vf)
-        if s.is_prefill:
+        if s.is_prefill:  # write the real tokens, not the padding; attend within each row
+            kf, vf = k.reshape(R * T, K, D), v.reshape(R * T, K, D)
+            if s.write_rows.numel() != R * T:
+                kf, vf = kf.index_select(0, s.write_rows), vf.index_select(0, s.write_rows)
+            self.cache.write(layer, s.write_slots, kf, vf)
             return prefill_attention(q, k, v, s.context_lens.tolist())
-        L = s.key_mask.shape[1]  # W * block_size keys per row
-        kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, L, D)
+        n = s.write_slots.numel()  # a decode step's real rows come first: the rest are dummies
+        self.cache.write(layer, s.write_slots, k[:n, 0], v[:n, 0])
+        kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, -1, D)
         if self._value_bags is None:
             self._value_bags = value_bags(s.key_rows, R, K, H // K)
-        return decode_attention(q, kc, self.cache.v[layer].view(-1, D), self._value_bags, s.key_mask)
+            self._key_bias = key_bias(s.key_mask, K, q.dtype)
+        return decode_attention(q, kc, self.cache.v[layer].view(-1, D), self._value_bags, self._key_bias)
 
 
 class BatchedPagedKVCache:
@@ -371,7 +381,7 @@ class StaticBatch:
 
     def _collect(self, logits: Tensor) -> Tensor:
         logits = logits[: len(self.tokens)]  # (B, V): dummy rows dropped
-        self.last = logits.argmax(-1).tolist()
+        self.last = argmax_rows(logits).tolist()
         self.steps_done += 1
         for row, token, budget in zip(self.tokens, self.last, self.stop_steps):
             if self.steps_done <= budget:

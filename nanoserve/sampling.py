@@ -55,6 +55,28 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+ARGMAX_CHUNK = 1024
+
+
+def argmax_rows(logits: Tensor) -> Tensor:
+    """logits (B, V) -> (B,) each row's argmax, the first index of its largest value, as argmax gives.
+
+    torch's argmax keeps an index beside every comparison and runs at ~15 GB/s here: 0.4 ms for a
+    batch of 32 rows of SmolLM2's 49152 logits, 1% of a decode step. Its max alone (amax) is
+    vectorised and ~10x faster. So: the max of each chunk of ARGMAX_CHUNK logits, the first chunk
+    holding the row's max, then argmax within that chunk only. Exact: no arithmetic, only
+    comparisons, and the first maximal chunk holds the first maximal index (a NaN, which argmax
+    counts as largest, propagates through amax the same way).
+    """
+    B, V = logits.shape
+    if V % ARGMAX_CHUNK or V < 4 * ARGMAX_CHUNK:
+        return logits.argmax(-1)
+    chunks = logits.view(B, V // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    first = chunks.amax(-1).argmax(-1)  # (B,) the first chunk holding each row's max
+    within = chunks[torch.arange(B), first].argmax(-1)
+    return first * ARGMAX_CHUNK + within
+
+
 def apply_repetition_penalty(logits: Tensor, seen: Sequence[int], penalty: float) -> Tensor:
     """logits (V,): positive logits of seen ids are divided by `penalty`, negative ones multiplied."""
     if penalty == 1.0 or len(seen) == 0:

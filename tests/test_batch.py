@@ -14,6 +14,7 @@ from nanoserve.batch import (
     decode_attention,
     forward_rows,
     greedy_generate_batch,
+    key_bias,
     pad_batch,
     padded_prefill,
     prefill_attention,
@@ -89,11 +90,13 @@ def test_decode_attention_reads_only_keys_in_context():
     key_rows = torch.randperm(pool.shape[0])[: R * K * L]
     bags = value_bags(key_rows, R, K, H // K)
     mask = torch.arange(L)[None] < torch.tensor([[3], [L]])
-    out = decode_attention(q, k, pool, bags, mask)
+    bias = key_bias(mask, K)
+    assert bias.shape == (R * K, 1, L) and bias[0, 0, 3:].eq(float("-inf")).all() and bias[:K, 0, :3].eq(0).all()
+    out = decode_attention(q, k, pool, bags, bias)
     k2, pool2 = k.clone(), pool.clone()
     k2[0, :, 3:] = 1e4  # whatever sits past a row's context is never read
     pool2[key_rows.view(R, K, L)[0, :, 3:].reshape(-1)] = 1e4
-    assert torch.equal(decode_attention(q, k2, pool2, bags, mask), out)
+    assert torch.equal(decode_attention(q, k2, pool2, bags, bias), out)
     v = pool[key_rows].view(R, K, L, D)
     for r, n in enumerate([3, L]):
         ref = torch.nn.functional.scaled_dot_product_attention(q[r : r + 1].transpose(1, 2), k[r : r + 1, :, :n],

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.generate import StopChecker
-from nanoserve.sampling import Sampler, SamplingParams, apply_repetition_penalty, filtered_probs
+from nanoserve.sampling import (
+    ARGMAX_CHUNK,
+    Sampler,
+    SamplingParams,
+    apply_repetition_penalty,
+    argmax_rows,
+    filtered_probs,
+)
 
 # ---------------------------------------------------------------- validation
 
@@ -106,6 +113,30 @@ def test_temperature_zero_is_one_hot_on_argmax():
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
     # and the greedy sampler never touches randomness: any seed gives the argmax
     assert {Sampler(SamplingParams(temperature=0.0, seed=s))(logits) for s in range(5)} == {1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5), chunks=st.integers(1, 8),
+       ties=st.booleans(), nans=st.integers(0, 2), neg_inf_row=st.booleans())
+def test_argmax_rows_is_argmax(seed, rows, chunks, ties, nans, neg_inf_row):
+    """The chunked argmax picks exactly what torch's argmax picks: the first maximal index, ties
+    across and within chunks included, NaN counted as largest, an all -inf row at 0."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, chunks * ARGMAX_CHUNK, generator=g)
+    if ties:  # the maximum repeated at several places, in several chunks
+        at = torch.randint(0, logits.shape[1], (rows, 4), generator=g)
+        logits.scatter_(1, at, logits.max().item() + 1)
+    for _ in range(nans):
+        at = torch.randint(0, logits.numel(), (1,), generator=g).item()
+        logits.view(-1)[at] = math.nan
+    if neg_inf_row:
+        logits[-1] = -math.inf
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+
+
+def test_argmax_rows_other_widths_fall_back_to_argmax():
+    logits = torch.randn(3, ARGMAX_CHUNK * 4 + 7)
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
 def test_temperature_scales_logits():
