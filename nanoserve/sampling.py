@@ -71,7 +71,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
     B, V = logits.shape
     if V % ARGMAX_CHUNK or V < 4 * ARGMAX_CHUNK:
         return logits.argmax(-1)
-    chunks = logits.view(B, V // ARGMAX_CHUNK, ARGMAX_CHUNK)
+    chunks = logits.view(B, V // ARGMAX_CHUNK, ARGMAX_CHUNK)  # splitting a dim: a view, whatever the strides
     first = chunks.amax(-1).argmax(-1)  # (B,) the first chunk holding each row's max
     within = chunks[torch.arange(B), first].argmax(-1)
     return first * ARGMAX_CHUNK + within

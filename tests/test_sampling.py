@@ -134,9 +134,11 @@ def test_argmax_rows_is_argmax(seed, rows, chunks, ties, nans, neg_inf_row):
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
-def test_argmax_rows_other_widths_fall_back_to_argmax():
-    logits = torch.randn(3, ARGMAX_CHUNK * 4 + 7)
+def test_argmax_rows_other_widths_and_strided_logits():
+    logits = torch.randn(3, ARGMAX_CHUNK * 4 + 7)  # not a whole number of chunks: plain argmax
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    strided = torch.randn(ARGMAX_CHUNK * 4, 3).t()  # rows not contiguous
+    assert torch.equal(argmax_rows(strided), strided.argmax(-1))
 
 
 def test_temperature_scales_logits():
