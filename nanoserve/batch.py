@@ -53,6 +53,11 @@ from .sampling import argmax_rows
 ROW_MULTIPLE = 4
 """Rows per forward of a batch (and the prefill length) are rounded up to this: one GEMM kernel for every row."""
 
+KEY_MULTIPLE = 16
+"""Keys per row a decode step gathers are rounded up to this (the fp32 lanes of an AVX-512 register, a multiple of
+AVX2's and NEON's). The softmax and the value sums vectorise over keys; past a whole number of vectors, masked keys
+only add exact zeros, but a ragged tail is summed another way, and a row's rounding would follow the longest row."""
+
 
 def round_up(n: int, multiple: int = ROW_MULTIPLE) -> int:
     return -(-n // multiple) * multiple
@@ -196,11 +201,11 @@ class BatchStep:
     slot_mapping: Tensor  # (R, T) pool slot each new token's k/v goes to; -1: padding, not written
     block_tables: Tensor  # (R, W) each row's physical blocks, padded with block 0 (masked, never used)
     context_lens: Tensor  # (R,) keys each row attends over, new ones included
-    key_mask: Tensor  # prefill: (R, T) real new tokens; decode: (R, W * block_size) keys in context
+    key_mask: Tensor  # prefill: (R, T) real new tokens; decode: (R, L) keys in context, L >= W * block_size
     write_rows: Tensor  # (n,) flat (row * T + t) indices of the new tokens that are written
     write_slots: Tensor  # (n,) their slots
     is_prefill: bool  # the new tokens are each row's whole history
-    key_rows: Tensor | None = None  # decode: (R * K * W * block_size,) rows of a layer's pool seen as
+    key_rows: Tensor | None = None  # decode: (R * K * L,) rows of a layer's pool seen as
     # (blocks * block_size * K, D), in (row, kv head, key) order: the gather that lands head-major
 
 
@@ -208,10 +213,10 @@ class BatchedPagedAttention:
     """The KVBackend of one batched forward: write the new k/v into their slots, then attend.
 
     The prefill starts from empty tables, so the new tokens are each row's whole history. A
-    decode step gathers each row's blocks into an (R, K, W * block_size) rectangle of keys, one
-    row of D numbers at a time in the head-major order the scores' matmul reads, masks those past
-    the row's context, and sums the value rows straight from the pool: the reference read, whose
-    cost follows the longest row (the kernel treatment of Day 34 removes it)."""
+    decode step gathers each row's blocks into an (R, K, L) rectangle of keys (L: W * block_size
+    rounded up to KEY_MULTIPLE), one row of D numbers at a time in the head-major order the scores'
+    matmul reads, masks those past the row's context, and sums the value rows straight from the
+    pool: the reference read, whose cost follows the longest row (Day 34's kernel removes it)."""
 
     def __init__(self, cache: PagedKVCache, step: BatchStep):
         self.cache, self.step = cache, step
@@ -298,12 +303,15 @@ class BatchedPagedKVCache:
         slots = [int(self.cache.append(t, [tok])[0]) for t, tok in zip(self.tables, tokens)]
         context_lens = torch.tensor(self.context_lens + [1] * (R - B))
         block_tables = self._block_tables(R)
-        L = block_tables.shape[1] * self.block_size
-        key_mask = torch.arange(L)[None, :] < context_lens[:, None]  # (R, L)
+        bs = self.block_size
+        L = round_up(block_tables.shape[1] * bs, KEY_MULTIPLE)  # past the blocks: block 0 again, masked
+        pos = torch.arange(L)
+        key_mask = pos[None, :] < context_lens[:, None]  # (R, L)
         slot_mapping = torch.tensor(slots + [-1] * (R - B))[:, None]  # (R, 1)
         K = self.cache.k.shape[-2]
-        key_slots = (block_tables[:, :, None] * self.block_size + torch.arange(self.block_size)).view(R, 1, L)
-        key_rows = (key_slots * K + torch.arange(K)[None, :, None]).reshape(-1)  # (R, K, L) flattened
+        tables = F.pad(block_tables, (0, L // bs + 1 - block_tables.shape[1]))  # (R, >= L / bs) blocks
+        key_slots = tables[:, pos // bs] * bs + pos % bs  # (R, L) each key's pool slot
+        key_rows = (key_slots[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)  # (R, K, L) flattened
         return BatchStep(positions=(context_lens - 1)[:, None], slot_mapping=slot_mapping,
                          block_tables=block_tables, context_lens=context_lens, key_mask=key_mask,
                          write_rows=torch.arange(B), write_slots=torch.tensor(slots), is_prefill=False,

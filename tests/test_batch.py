@@ -32,9 +32,9 @@ def solo_logits(model, prompt, steps):
     return torch.cat(out)
 
 
-def batch_logits(model, prompts, steps):
+def batch_logits(model, prompts, steps, block_size=16):
     """Logits (B, steps + 1, V) of one static batch."""
-    sb = StaticBatch(model, prompts, [steps] * len(prompts))
+    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size)
     out = [sb.prefill()] + [sb.step() for _ in range(steps)]
     return torch.stack(out, 1)
 
@@ -171,11 +171,12 @@ def test_decode_step_refuses_misuse(tiny_cfg):
 # ---- static batches and greedy_generate_batch ----------------------------------------------------
 
 
-def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model):
+@pytest.mark.parametrize("block_size", [16, 4, 1])  # below KEY_MULTIPLE, the gathered width is rounded up
+def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model, block_size):
     steps = 6
-    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps)[0] for p in PROMPTS]
+    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps, block_size)[0] for p in PROMPTS]
     for B in range(2, len(PROMPTS) + 1):
-        logits = batch_logits(tiny_model, PROMPTS[:B], steps)
+        logits = batch_logits(tiny_model, PROMPTS[:B], steps, block_size)
         for i in range(B):
             assert torch.equal(logits[i], in_pair[i]), (B, i)
 
