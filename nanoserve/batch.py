@@ -309,7 +309,7 @@ class BatchedPagedKVCache:
         key_mask = pos[None, :] < context_lens[:, None]  # (R, L)
         slot_mapping = torch.tensor(slots + [-1] * (R - B))[:, None]  # (R, 1)
         K = self.cache.k.shape[-2]
-        tables = F.pad(block_tables, (0, L // bs + 1 - block_tables.shape[1]))  # (R, >= L / bs) blocks
+        tables = F.pad(block_tables, (0, -(-L // bs) - block_tables.shape[1]))  # (R, ceil(L / bs)) blocks
         key_slots = tables[:, pos // bs] * bs + pos % bs  # (R, L) each key's pool slot
         key_rows = (key_slots[:, None, :] * K + torch.arange(K)[None, :, None]).reshape(-1)  # (R, K, L) flattened
         return BatchStep(positions=(context_lens - 1)[:, None], slot_mapping=slot_mapping,
