@@ -62,12 +62,23 @@ def test_bad_gguf_is_a_clear_error(tmp_path):
 
 
 def test_conversion_matches_transformers_gguf_reader(model):
+    """Our conversion gives every tensor transformers' own GGUF reader gives, bit for bit; the
+    logits then differ only by the two fp32 kernel stacks' rounding, held to test_model's bounds
+    (2e-4 at every position, 1e-4 at the last: measured 1.2e-4 / 0.85e-4 on an AVX2 CPU)."""
+    from nanoserve.weights import hf_state_dict
+
     pytest.importorskip("accelerate")
     transformers = pytest.importorskip("transformers")
     gguf = fetch.download_gguf(fetch.nanoserve_home() / "downloads")
     ref = transformers.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     ).eval()
+    ours, theirs = hf_state_dict(model), ref.state_dict()
+    assert set(ours) <= set(theirs)
+    for name, w in ours.items():
+        assert torch.equal(w, theirs[name]), name
     ids = torch.tensor([[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173]])
     with torch.no_grad():
-        assert (model(ids) - ref(ids).logits).abs().max().item() < 1e-4
+        diff = (model(ids) - ref(ids).logits).abs()
+    assert diff.max().item() < 2e-4
+    assert diff[:, -1].max().item() < 1e-4
