@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .cache import cached_session
 from .config import ModelConfig
 from .generate import NoCacheSession, Session, stream_generate
-from .model import ONEDNN, Llama, linear, onednn_linear, pack
+from .model import ONEDNN, Llama, bag_linear, bmm_linear, linear, onednn_linear, pack
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .sampling import SamplingParams
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_callable
@@ -234,8 +234,12 @@ LAYOUTS: dict[str, tuple[Prepare, Call]] = {
     # (`model.pack`): what model.linear uses for two rows or more
     "oneDNN, W stored [in,out]": (lambda w: w.t().contiguous().t(), onednn_linear),
     "oneDNN, W packed": (lambda w: _packed(w.t().contiguous().t()), onednn_linear),
-    # the same stored weight through model.linear: one row -> F.embedding_bag, a weighted sum of rows
-    "embedding_bag, W stored [in,out] (nanoserve)": (lambda w: w.t().contiguous().t(), linear),
+    # the same stored weight as a weighted sum of its rows: F.embedding_bag (model.bag_linear)
+    "embedding_bag, W stored [in,out]": (lambda w: w.t().contiguous().t(), bag_linear),
+    # the same partial sums as one batched product (model.bmm_linear)
+    "torch.bmm of row slices, W stored [in,out]": (lambda w: w.t().contiguous().t(), bmm_linear),
+    # what model.linear does with one row on this CPU: the bag or bmm (model.ONE_ROW)
+    "nanoserve's linear, W stored [in,out]": (lambda w: w.t().contiguous().t(), linear),
 }
 if not ONEDNN:
     del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]

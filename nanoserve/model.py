@@ -182,6 +182,41 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w if wp is None else wp, None, "none", [], "")
 
 
+def _one_row_road() -> str:
+    """How `linear` multiplies one row: "bag" (`bag_linear`) or "bmm" (`bmm_linear`). bmm where
+    the CPU's best vector unit is AVX2, the bag elsewhere: see `linear` for what was measured."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "bag"
+    return "bmm" if capability == "AVX2" else "bag"
+
+
+ONE_ROW = _one_row_road()
+
+
+def bag_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for ONE row x and a weight stored [in, out]: the weighted sum of w.T's rows,
+    summed by F.embedding_bag in bags of BAG_ROWS (or more) and the bags' partial sums added."""
+    n_out, n_in = w.shape
+    rows, offsets = _bags(n_in, n_out, x.device)
+    partial = F.embedding_bag(rows, w.t(), offsets, mode="sum", per_sample_weights=x.reshape(n_in))
+    return partial.sum(0).view(*x.shape[:-1], n_out)  # partial: (bags, out)
+
+
+BMM_ROWS = 32  # rows per slice in `bmm_linear` (it divides every matrix's in-features here: 576, 1536)
+
+
+def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
+    """The same sum for ONE row x as `bag_linear`, as a batched matrix product: w.T's rows in slices of
+    BMM_ROWS, each slice times its piece of x (one torch.bmm), then the slices' partial sums added.
+    Needs in-features divisible by BMM_ROWS."""
+    n_out, n_in = w.shape
+    slices = n_in // BMM_ROWS
+    partial = torch.bmm(x.reshape(slices, 1, BMM_ROWS), w.t().view(slices, BMM_ROWS, n_out))  # (slices, 1, out)
+    return partial.sum(0).view(*x.shape[:-1], n_out)
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the fastest honest road for x's rows.
 
@@ -205,13 +240,21 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     forward in the logits, where transformers' fp32 is 1e-4 off); in bags of 16 it is 5e-5 off,
     the best of the sizes tried (16 to 128). Bags grow only where the partial sums would pass
     PARTIAL_SUMS (the LM head: 54 rows).
+
+    All of that was measured on an AVX-512 CPU (AMD Zen 4/5). On an AVX2 one (Zen 3) the bag's
+    kernel is the slow road: 13-20 GB/s. There the same partial sums go faster as one batched
+    product, `bmm_linear` (MKL's torch.bmm of BMM_ROWS-row slices: the LM head in 4.0 ms instead
+    of the bag's 6.8), and round as little: 1.1-2.0e-5 off fp64 per product on the model's
+    matrices, the bag 0.8-1.9e-5; oneDNN's plain product, as fast, is 3.5e-5-1.1e-4 off and put
+    the one-token prompt's logits 1.6e-4 from the reference. So `ONE_ROW` picks by the CPU: bmm on
+    AVX2, the bag elsewhere (`bench layout` times the roads on the machine at hand).
     """
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
         if x.numel() == n_in:
-            rows, offsets = _bags(n_in, n_out, x.device)
-            partial = F.embedding_bag(rows, w.t(), offsets, mode="sum", per_sample_weights=x.reshape(n_in))
-            return partial.sum(0).view(*x.shape[:-1], n_out)  # partial: (bags, out)
+            if ONE_ROW == "bmm" and n_in % BMM_ROWS == 0:
+                return bmm_linear(x, w)
+            return bag_linear(x, w)
         if ONEDNN and not torch.is_grad_enabled():
             return onednn_linear(x, w)
     return F.linear(x, w)

@@ -61,8 +61,8 @@ def test_summarize_rejects_bad_input():
         summarize([[OpCall("bogus", "add", 1.0)]])
 
 
-# the kernels a matrix product may reach: F.linear (GEMM), or embedding_bag (model.py's one-row road)
-PRODUCTS = {"linear", "onednn_linear", "embedding_bag", "matmul", "mm", "addmm"}
+# the kernels a matrix product may reach: F.linear (GEMM), oneDNN, or model.py's one-row roads (embedding_bag, bmm)
+PRODUCTS = {"linear", "onednn_linear", "embedding_bag", "matmul", "mm", "addmm", "bmm"}
 
 
 @pytest.mark.parametrize("T", [1, 5])
