@@ -126,6 +126,36 @@ def test_linear_agrees_with_f_linear_on_every_road(shape):
     assert w.grad is not None and w.grad.shape == w.shape
 
 
+@pytest.mark.parametrize("road", ["bag", "bmm"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
+def test_both_one_row_roads_agree_with_fp64(road, shape):
+    """Whichever road this CPU picks (model.ONE_ROW), both must be right on every machine. Summed in
+    small partial sums, both are 4e-7 to 1e-6 off fp64 here (outputs up to ~4); oneDNN's plain product,
+    one long sum per output, is 2e-6 to 4e-6 off and would fail."""
+    from nanoserve.model import bag_linear, bmm_linear
+
+    g = torch.Generator().manual_seed(3)
+    w = random_linear_weight(*shape, g)
+    x = torch.randn(1, 1, shape[1], generator=g)
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    with torch.inference_mode():
+        y = (bag_linear if road == "bag" else bmm_linear)(x, w)
+    assert y.shape == (1, 1, shape[0]) and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < 1.5e-6
+
+
+def test_one_row_bmm_road_falls_back_to_the_bag_when_slices_do_not_fit(monkeypatch):
+    """bmm needs in-features divisible by BMM_ROWS; another width takes the bag, with the same answer."""
+    import nanoserve.model as m
+
+    g = torch.Generator().manual_seed(4)
+    w = random_linear_weight(64, 100, g)
+    x = torch.randn(1, 100, generator=g)
+    monkeypatch.setattr(m, "ONE_ROW", "bmm")
+    with torch.inference_mode():
+        assert torch.equal(m.linear(x, w), m.bag_linear(x, w))
+
+
 def test_linear_rows_do_not_depend_on_the_other_rows():
     """Batch invariance (nanoserve/batch.py): a row's product is bit-identical whatever else is in the call,
     for every call of ROW_MULTIPLE-multiple rows (both kernels), and for any 2+ rows under oneDNN."""
