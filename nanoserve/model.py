@@ -244,10 +244,11 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     All of that was measured on an AVX-512 CPU (AMD Zen 4/5). On an AVX2 one (Zen 3) the bag's
     kernel is the slow road: 13-20 GB/s. There the same partial sums go faster as one batched
     product, `bmm_linear` (MKL's torch.bmm of BMM_ROWS-row slices: the LM head in 4.0 ms instead
-    of the bag's 6.8), and round as little: 1.1-2.0e-5 off fp64 per product on the model's
-    matrices, the bag 0.8-1.9e-5; oneDNN's plain product, as fast, is 3.5e-5-1.1e-4 off and put
-    the one-token prompt's logits 1.6e-4 from the reference. So `ONE_ROW` picks by the CPU: bmm on
-    AVX2, the bag elsewhere (`bench layout` times the roads on the machine at hand).
+    of the bag's 6.8), and round as little: 1.1-2.0e-5 off fp64 per product on unit-normal
+    matrices of the model's shapes, the bag 0.8-1.9e-5; oneDNN's plain product, as fast, is
+    3.5e-5-1.1e-4 off and put the one-token prompt's logits 1.6e-4 from the reference. So
+    `ONE_ROW` picks by the CPU: bmm on AVX2, the bag elsewhere (`bench layout` times the roads
+    on the machine at hand).
     """
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
