@@ -232,13 +232,17 @@ def blocking_run(model: Llama, prompts: Sequence[Sequence[int]]) -> BatchTiming:
 
 
 def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[int], steps: int,
-                 rounds: int) -> tuple[dict[int, list[BatchTiming]], dict[int, list[BatchTiming]], dict[int, bool]]:
+                 rounds: int, before_round: Callable[[int], object] | None = None,
+                 ) -> tuple[dict[int, list[BatchTiming]], dict[int, list[BatchTiming]], dict[int, bool]]:
     """The uniform sweep, `rounds` times, transformers' generate right after each of ours (same machine
-    state for both). Returns our runs and theirs per batch size, and whether their tokens equal ours."""
+    state for both); `before_round(r)` runs first in round r (the command measures the peak there).
+    Returns our runs and theirs per batch size, and whether their tokens equal ours."""
     ours: dict[int, list[BatchTiming]] = {b: [] for b in sizes}
     theirs: dict[int, list[BatchTiming]] = {b: [] for b in sizes}
     same: dict[int, bool] = {}
     for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
         for b in sizes:
             sweep = sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0)
             ours[b].append(sweep.timings[b])
@@ -300,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import load
     from .batchbench import write_csv
     from .fetch import ensure_model
-    from .roofline import measure_roofline
+    from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline
 
     model, tok = load()
     meta: dict = dict(command=shlex.join(["python", "-m", "nanoserve.batchbench",
@@ -313,16 +317,27 @@ def main(argv: list[str] | None = None) -> int:
     print_blocking(blocking)
 
     hf_model = None if args.no_hf else load_hf_model(ensure_model())
-    ours, theirs, same = sweep_beside(model, hf_model, prompts[0], args.sizes, args.steps, args.rounds)
+    peaks: list[tuple[float, float | None]] = []  # (torch.matmul, oneDNN) FLOP/s, one pair per round
+
+    def measure_peaks(_round: int) -> None:
+        with torch.inference_mode():
+            peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
+
+    ours, theirs, same = sweep_beside(model, hf_model, prompts[0], args.sizes, args.steps, args.rounds,
+                                      None if args.no_roofline else measure_peaks)
     scaling = fit_batch_scaling(args.sizes, [pooled_median(ours[b]) for b in args.sizes])
     hf_scaling = fit_batch_scaling(args.sizes, [pooled_median(theirs[b]) for b in args.sizes]) if same else None
     meta.update(sweep_prompt=PROMPTS[0], sweep_prompt_tokens=len(prompts[0]), sweep_steps=args.steps,
                 rounds=args.rounds, transformers_same_tokens=all(same.values()) if same else None)
     if not args.no_roofline:
         roof = measure_roofline()
-        meta.update(peak_flops_torch=roof.matmul_flops, peak_flops_onednn=roof.onednn_flops,
-                    read_bandwidth=roof.read_bandwidth, copy_bandwidth=roof.copy_bandwidth)
-        print(f"\nroofline: {roof.describe()}")
+        peaks.append((roof.matmul_flops, roof.onednn_flops))
+        meta.update(peak_flops_torch=statistics.median(p[0] for p in peaks),
+                    peak_flops_onednn=None if roof.onednn_flops is None else statistics.median(p[1] for p in peaks),
+                    peak_flops_samples=peaks, read_bandwidth=roof.read_bandwidth, copy_bandwidth=roof.copy_bandwidth)
+        print(f"\nroofline: {roof.describe()}\npeak GFLOP/s (torch.matmul, oneDNN) before each round and at the "
+              f"end: {', '.join(f'({t / 1e9:.0f}, {(o or 0) / 1e9:.0f})' for t, o in peaks)}; the sweep's table "
+              f"divides by their medians")
     meta["loadavg_end"] = os.getloadavg()[0]
     print(f"\nsweep: {PROMPTS[0]!r} ({len(prompts[0])} tokens) x B rows, {args.steps} decode steps x {args.rounds} "
           f"rounds, median step; transformers' generate interleaved (same tokens: {meta['transformers_same_tokens']})")

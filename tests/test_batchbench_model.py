@@ -14,6 +14,7 @@ from nanoserve.runner import (
     sidecar_path,
     step_roofline,
     sweep_batch_sizes,
+    sweep_beside,
     time_hf_generate,
     time_model_batch,
 )
@@ -80,6 +81,24 @@ def test_step_roofline_is_memory_bound_at_batch_one(model):
     assert point.intensity == pytest.approx(0.5, rel=0.05)  # 2 FLOPs per 4-byte weight
     assert point.best_step_s == pytest.approx(model.weight_bytes() / 20e9, rel=0.05)
     assert step_roofline(model, 64, 64, 200e9, 20e9).attainable_flops == 200e9  # compute-bound by 64 rows
+
+
+def test_sweep_calls_before_round_ahead_of_each_round(model, prompts, monkeypatch):
+    """The command measures the peak there, so each round's peak sits beside that round's steps."""
+    import nanoserve.runner as runner
+
+    events = []
+    real_sweep = runner.sweep_batch_sizes
+
+    def logged_sweep(model, prompt, sizes, *args, **kwargs):
+        events.append(f"B={sizes[0]}")
+        return real_sweep(model, prompt, sizes, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "sweep_batch_sizes", logged_sweep)
+    ours, theirs, _ = sweep_beside(model, None, prompts[0], [1, 2], steps=1, rounds=2,
+                                   before_round=lambda r: events.append(f"round {r}"))
+    assert events == ["round 0", "B=1", "B=2", "round 1", "B=1", "B=2"]
+    assert [len(ours[b]) for b in (1, 2)] == [2, 2] and theirs == {1: [], 2: []}
 
 
 def test_command_writes_the_csv_and_its_sidecar(tmp_path):
