@@ -47,7 +47,7 @@ from torch import Tensor
 from .config import ModelConfig
 from .generate import check_prompt
 from .model import Llama, linear
-from .paged import BlockTable, PagedKVCache
+from .paged import BlockTable, PagedKVCache, check_block_size
 from .sampling import argmax_rows
 
 ROW_MULTIPLE = 4
@@ -69,12 +69,20 @@ def forward_rows(batch_size: int) -> int:
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], cfg: ModelConfig, max_new_tokens: int = 1) -> None:
-    """Refuse a batch any row of which no engine path could serve; the message names the row."""
+    """Refuse a batch any row of which no engine path could serve; the message names the row.
+    Every row needs room for `max_new_tokens` after its prompt (a static batch runs each row as long as its
+    slowest)."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError(f"need a list of prompts (each a list of token ids), got text {prompts[:20]!r}")
     if len(prompts) == 0:
         raise ValueError("empty batch: need at least one prompt")
     for i, p in enumerate(prompts):
         try:
-            check_prompt(list(p), cfg.max_position_embeddings - max_new_tokens + 1, cfg.vocab_size)
+            ids = p if isinstance(p, (str, bytes)) else list(p)
+        except TypeError:
+            raise ValueError(f"prompt {i}: expected a sequence of token ids, got {p!r}") from None
+        try:
+            check_prompt(ids, cfg.max_position_embeddings, cfg.vocab_size, max_new_tokens)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
 
@@ -106,7 +114,9 @@ def pad_batch(prompts: Sequence[Sequence[int]], pad_id: int = 0, multiple: int =
     ([[5, 6, 7, 0], [8, 0, 0, 0]], [[1, 1, 1, 0], [1, 0, 0, 0]], [2, 0])
     """
     lengths = [len(p) for p in prompts]
-    if not lengths or min(lengths) == 0:
+    if not lengths:
+        raise ValueError("empty batch: need at least one prompt")
+    if min(lengths) == 0:
         raise ValueError(f"every prompt needs at least one token, got lengths {lengths}")
     B, T = len(prompts), round_up(max(lengths), multiple)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -188,6 +198,8 @@ def logits_at(model: Llama, h: Tensor, index: Tensor) -> Tensor:
 @torch.inference_mode()
 def padded_prefill(model: Llama, prompts: PaddedBatch | Sequence[Sequence[int]]) -> Tensor:
     """Logits (B, V) at each prompt's last real token, every prompt in one forward that keeps no cache."""
+    if not isinstance(prompts, PaddedBatch):
+        check_prompts(prompts, model.cfg)
     batch = prompts if isinstance(prompts, PaddedBatch) else pad_batch(prompts)
     kv = lambda layer, q, k, v: prefill_attention(q, k, v, batch.lengths)
     return logits_at(model, model.hidden_states(batch.ids, batch.positions, kv), batch.last_index)
@@ -257,6 +269,7 @@ class BatchedPagedKVCache:
     def for_batch(cls, cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int,
                   block_size: int = 16, dtype: torch.dtype = torch.float32) -> BatchedPagedKVCache:
         """A pool just large enough for every row's prompt plus `max_new_tokens` (no prefix caching)."""
+        check_block_size(block_size)
         blocks = sum(math.ceil((n + max_new_tokens) / block_size) for n in prompt_lens)
         cache = PagedKVCache(cfg, max(blocks, 1), block_size, dtype=dtype, prefix_caching=False)
         return cls(cache, len(prompt_lens))
@@ -341,10 +354,9 @@ class StaticBatch:
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
                  block_size: int = 16):
-        if len(prompts) == 0:
-            raise ValueError("empty batch: need at least one prompt")
-        if len(stop_steps) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(stop_steps)} stop_steps")
+        check_prompts(prompts, model.cfg)  # the rows themselves; their room for n_steps is checked below
+        if not isinstance(stop_steps, Sequence) or len(stop_steps) != len(prompts):
+            raise ValueError(f"need one stop_steps entry per prompt ({len(prompts)}), got {stop_steps!r}")
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
             raise ValueError(f"stop_steps must be ints >= 0 (decode steps per row), got {list(stop_steps)}")
         self.stop_steps = list(stop_steps)
@@ -417,8 +429,10 @@ def greedy_generate_batch(model: Llama, prompts: Sequence[Sequence[int]],
     if (max_new_tokens is None) == (stop_steps is None):
         raise ValueError("give exactly one of max_new_tokens and stop_steps")
     if stop_steps is None:
-        n = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        one = isinstance(max_new_tokens, int) or not isinstance(max_new_tokens, Sequence)
+        n = [max_new_tokens] * len(prompts) if one else list(max_new_tokens)
         if len(n) != len(prompts) or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in n):
-            raise ValueError(f"max_new_tokens must be an int >= 1 for each of the {len(prompts)} prompts, got {n}")
+            raise ValueError(f"max_new_tokens must be an int >= 1, or one for each of the {len(prompts)} prompts, "
+                             f"got {max_new_tokens!r}")
         stop_steps = [x - 1 for x in n]
     return StaticBatch(model, prompts, stop_steps, block_size).run()

@@ -13,7 +13,8 @@ Session with the same two methods, and the tokens must not change.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import operator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -48,18 +49,35 @@ class NoCacheSession:
         return self.model(torch.tensor([self.ids]), last_only=True)[0]
 
 
-def check_prompt(prompt_ids: list[int], max_context: int, vocab_size: int, max_tokens: int = 1) -> None:
-    """Refuse what no engine path can serve, with a message that says what and where."""
+def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int, max_tokens: int = 1) -> None:
+    """Refuse what no engine path can serve, with a message that says what and where.
+
+    `max_tokens`: how many tokens must fit after the prompt (at least the one its prefill produces)."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError(f"prompt is text ({prompt_ids[:20]!r}), not token ids: encode it with the tokenizer first")
     if len(prompt_ids) == 0:
         raise ValueError("prompt is empty: at least one token is needed to produce logits")
-    if len(prompt_ids) >= max_context:
-        raise ValueError(
-            f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}, "
-            "leaving no room to generate"
-        )
+    not_ids = [i for i in prompt_ids if not _is_token_id(i)]
+    if not_ids:
+        raise ValueError(f"prompt holds values that are not token ids (integers): {not_ids[:5]}")
+    if len(prompt_ids) + max_tokens > max_context:
+        room = ("leaving no room to generate" if max_tokens == 1 else
+                f"leaving room for {max(0, max_context - len(prompt_ids))} of the {max_tokens} tokens to generate")
+        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}, {room}")
     bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def _is_token_id(x: object) -> bool:
+    """An integer (Python, numpy or a one-element integer tensor), not a float or a bool that would pass as one."""
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass

@@ -56,6 +56,12 @@ from .tokenizer import Tokenizer
 MAX_BLOCK_SIZE = 256
 
 
+def check_block_size(block_size: int) -> None:
+    """Refuse a block size no pool can have, before anything is sized by it."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size={block_size!r} must be an int in [1, {MAX_BLOCK_SIZE}]")
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has too few free blocks *right now*. Nothing was changed; the scheduler may
     wait or preempt (Day 33) and try again."""
@@ -77,8 +83,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise ValueError(f"block_size={block_size} must be in [1, {MAX_BLOCK_SIZE}]")
+        check_block_size(block_size)
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks} must be >= 1")
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -51,9 +51,10 @@ def test_pad_batch_right_pads_and_counts_positions_from_zero():
     assert b.last_index.tolist() == [2, 0, 4]
 
 
-@pytest.mark.parametrize("prompts", [[], [[1, 2], []]])
-def test_pad_batch_refuses_empty_prompts(prompts):
-    with pytest.raises(ValueError, match="at least one token"):
+@pytest.mark.parametrize("prompts, match", [([], "empty batch: need at least one prompt"),
+                                             ([[1, 2], []], "at least one token")])
+def test_pad_batch_refuses_empty_prompts(prompts, match):
+    with pytest.raises(ValueError, match=match):
         pad_batch(prompts)
 
 
@@ -234,6 +235,9 @@ def test_stop_steps_and_max_new_tokens_say_the_same_thing(tiny_model):
     (dict(max_new_tokens=[2]), "for each of the 2 prompts"),
     (dict(max_new_tokens=0), "int >= 1"),
     (dict(stop_steps=[1, -1]), "ints >= 0"),
+    (dict(max_new_tokens=2.5), r"int >= 1.*got 2\.5"),
+    (dict(stop_steps=3), "one stop_steps entry per prompt"),
+    (dict(max_new_tokens=2, block_size=0), "block_size=0 must be an int"),
 ])
 def test_bad_budgets_are_refused(tiny_model, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -245,10 +249,31 @@ def test_bad_budgets_are_refused(tiny_model, kwargs, match):
     ([[1, 2], []], "prompt 1: prompt is empty"),
     ([[1, 2], [3, 999]], "prompt 1: .*outside the vocabulary"),
     ([[1] * 600], "prompt 0: .*context"),
+    ("hello", "got text 'hello'"),
+    ([[1, 2], "hello"], "prompt 1: prompt is text"),
+    ([[1, 2], 7], "prompt 1: expected a sequence of token ids, got 7"),
+    ([[1, 2], [3, 4.0]], r"prompt 1: .*not token ids \(integers\): \[4\.0\]"),
+    ([[True, 2]], "prompt 0: .*not token ids"),
 ])
 def test_bad_prompts_are_refused_naming_the_row(tiny_model, prompts, match):
     with pytest.raises(ValueError, match=match):
         greedy_generate_batch(tiny_model, prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match=match):  # the cache-less prefill refuses the same rows
+        padded_prefill(tiny_model, prompts)
+
+
+def test_room_for_every_new_token_is_checked_per_row(tiny_model):
+    ctx = tiny_model.cfg.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompt 1: prompt has {ctx - 3} tokens; the model's context is {ctx}, "
+                                         r"leaving room for 3 of the 5 tokens"):
+        greedy_generate_batch(tiny_model, [[1, 2], [1] * (ctx - 3)], max_new_tokens=5)
+    assert len(greedy_generate_batch(tiny_model, [[1] * (ctx - 3)], max_new_tokens=3)[0]) == 3  # exactly fits
+
+
+def test_integer_arrays_and_tensors_are_prompts(tiny_model):
+    ids = [[5, 6, 7], [8, 9]]
+    expect = greedy_generate_batch(tiny_model, ids, max_new_tokens=3)
+    assert greedy_generate_batch(tiny_model, [torch.tensor(p) for p in ids], max_new_tokens=3) == expect
 
 
 def test_step_order_is_enforced(tiny_model):

@@ -250,7 +250,9 @@ def test_bad_prompt_is_refused_before_any_work(model, tok):
         decode = prefill
 
     cfg = model.cfg
-    for bad, match in [([], "empty"), ([5, cfg.vocab_size, -1], "outside the vocabulary")]:
+    for bad, match in [([], "empty"), ([5, cfg.vocab_size, -1], "outside the vocabulary"),
+                       ("Hello", "prompt is text .* encode it with the tokenizer"),
+                       ([5, 6.0], r"not token ids \(integers\): \[6\.0\]")]:
         with pytest.raises(ValueError, match=match):
             list(stream_generate(model, bad, SamplingParams(temperature=0), tok, session=Exploding()))
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):
