@@ -10,6 +10,7 @@ greedy path: argmax, no randomness, no generator touched.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,18 +37,24 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
-            ("top_k", self.top_k == -1 or self.top_k >= 0, "must be >= 0, or -1 for off"),
-            ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0 (1 means off)"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "must be an int >= 1"),
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an int >= 1"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+        real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731 (numpy's too)
+        whole = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
+        t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
+        checks = [  # each condition is evaluated only if the ones before it held: a type first, then a range
+            ("temperature", lambda: real(t) and t >= 0, "must be a number >= 0 (0 means greedy)"),
+            ("top_k", lambda: whole(k) and (k == -1 or k >= 0), "must be an int >= 0, or -1 for off"),
+            ("top_p", lambda: real(p) and 0.0 < p <= 1.0, "must be a number in (0, 1]"),
+            ("min_p", lambda: real(m) and 0.0 <= m <= 1.0, "must be a number in [0, 1]"),
+            ("repetition_penalty", lambda: real(r) and r > 0, "must be a number > 0 (1 means off)"),
+            ("seed", lambda: self.seed is None or whole(self.seed), "must be an int or None"),
+            ("max_tokens", lambda: whole(self.max_tokens) and self.max_tokens >= 1, "must be an int >= 1"),
+            ("n", lambda: whole(self.n) and self.n >= 1, "must be an int >= 1"),
+            ("stop", lambda: all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", lambda: all(whole(i) and i >= 0 for i in self.stop_token_ids),
+             "must be token ids (ints >= 0)"),
         ]
         for name, ok, why in checks:
-            if not ok:
+            if not ok():
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
 
     @property

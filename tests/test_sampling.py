@@ -40,6 +40,12 @@ from nanoserve.sampling import (
         ("n", 0),
         ("stop", [""]),
         ("stop", ["ok", 3]),
+        ("temperature", "0.7"),  # a string from a config file or a form: refused, not compared
+        ("top_k", 1.5),
+        ("top_p", None),
+        ("seed", 1.5),
+        ("stop_token_ids", ["2"]),
+        ("stop_token_ids", [-1]),
     ],
 )
 def test_invalid_field_raises_naming_it(field, value):
