@@ -354,13 +354,13 @@ class StaticBatch:
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
                  block_size: int = 16):
-        check_prompts(prompts, model.cfg)  # the rows themselves; their room for n_steps is checked below
-        if not isinstance(stop_steps, Sequence) or len(stop_steps) != len(prompts):
-            raise ValueError(f"need one stop_steps entry per prompt ({len(prompts)}), got {stop_steps!r}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
-            raise ValueError(f"stop_steps must be ints >= 0 (decode steps per row), got {list(stop_steps)}")
+        if not isinstance(stop_steps, Sequence) or any(
+                isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
+            raise ValueError(f"stop_steps must be a list of ints >= 0 (decode steps per row), got {stop_steps!r}")
+        check_prompts(prompts, model.cfg, max(stop_steps, default=0) + 1)  # every row runs the slowest's steps
+        if len(stop_steps) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(stop_steps)} stop_steps: need one per prompt")
         self.stop_steps = list(stop_steps)
-        check_prompts(prompts, model.cfg, self.n_steps + 1)
         self.model = model
         self.batch = pad_batch(prompts)
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, self.batch.lengths, self.n_steps + 1, block_size,

@@ -236,7 +236,8 @@ def test_stop_steps_and_max_new_tokens_say_the_same_thing(tiny_model):
     (dict(max_new_tokens=0), "int >= 1"),
     (dict(stop_steps=[1, -1]), "ints >= 0"),
     (dict(max_new_tokens=2.5), r"int >= 1.*got 2\.5"),
-    (dict(stop_steps=3), "one stop_steps entry per prompt"),
+    (dict(stop_steps=3), "stop_steps must be a list of ints"),
+    (dict(stop_steps=[1]), "2 prompts but 1 stop_steps"),
     (dict(max_new_tokens=2, block_size=0), "block_size=0 must be an int"),
 ])
 def test_bad_budgets_are_refused(tiny_model, kwargs, match):
