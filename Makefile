@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	$(BIN)/python -m nanoserve.fetch
+	$(BIN)/python -m nanoserve.kernels
 
 lab: model
 	$(BIN)/python -m jupyter lab notebooks/01_model_on_disk.ipynb

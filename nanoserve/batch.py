@@ -46,6 +46,8 @@ from torch import Tensor
 
 from .config import ModelConfig
 from .generate import check_prompt
+from .kernels import fused_layer, paged_decode_attention, unavailable_reason
+from .kernels import load as load_kernels
 from .model import Llama, linear
 from .paged import BlockTable, PagedKVCache, check_block_size
 from .sampling import argmax_rows
@@ -228,10 +230,12 @@ class BatchedPagedAttention:
     decode step gathers each row's blocks into an (R, K, L) rectangle of keys (L: W * block_size
     rounded up to KEY_MULTIPLE), one row of D numbers at a time in the head-major order the scores'
     matmul reads, masks those past the row's context, and sums the value rows straight from the
-    pool: the reference read, whose cost follows the longest row (Day 34's kernel removes it)."""
+    pool: the reference read, whose cost follows the longest row (Day 34's kernel removes it).
+    With `compiled`, a decode step attends with `kernels.paged_decode_attention` instead, which
+    reads each row's keys and values where they lie in the pool (Day 29)."""
 
-    def __init__(self, cache: PagedKVCache, step: BatchStep):
-        self.cache, self.step = cache, step
+    def __init__(self, cache: PagedKVCache, step: BatchStep, compiled: bool = False):
+        self.cache, self.step, self.compiled = cache, step, compiled
         self._value_bags: tuple[Tensor, Tensor] | None = None  # the same for every layer of the step ...
         self._key_bias: Tensor | None = None  # ... made on the first layer's call
 
@@ -246,6 +250,10 @@ class BatchedPagedAttention:
             return prefill_attention(q, k, v, s.context_lens.tolist())
         n = s.write_slots.numel()  # a decode step's real rows come first: the rest are dummies
         self.cache.write(layer, s.write_slots, k[:n, 0], v[:n, 0])
+        if self.compiled:
+            out = paged_decode_attention(q.reshape(R, H, D), self.cache.k[layer], self.cache.v[layer],
+                                                 s.block_tables, s.context_lens, D**-0.5)
+            return out.view(R, 1, H * D)
         kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, -1, D)
         if self._value_bags is None:
             self._value_bags = value_bags(s.key_rows, R, K, H // K)
@@ -286,8 +294,8 @@ class BatchedPagedKVCache:
     def context_lens(self) -> list[int]:
         return [t.num_tokens for t in self.tables]
 
-    def backend(self, step: BatchStep) -> BatchedPagedAttention:
-        return BatchedPagedAttention(self.cache, step)
+    def backend(self, step: BatchStep, compiled: bool = False) -> BatchedPagedAttention:
+        return BatchedPagedAttention(self.cache, step, compiled)
 
     def prefill_step(self, batch: PaddedBatch) -> BatchStep:
         """Give every prompt token a slot (allocating blocks) and describe the padded prefill."""
@@ -342,6 +350,21 @@ class BatchedPagedKVCache:
             self.cache.free(t)
 
 
+def use_kernels(model: Llama, want: bool | None = None) -> bool:
+    """Whether decode steps of `model` run the compiled kernels: `want` None means where they can."""
+    if want is False:
+        return False
+    if model.dtype != torch.float32:
+        if want:
+            raise ValueError(f"the compiled kernels are fp32 only; this model is {model.dtype}")
+        return False
+    if load_kernels() is None:
+        if want:
+            raise RuntimeError(f"the compiled kernels are unavailable: {unavailable_reason()}")
+        return False
+    return True
+
+
 class StaticBatch:
     """One static batch: fixed when it starts, run until its slowest row is done (Day 28).
 
@@ -350,10 +373,14 @@ class StaticBatch:
     `stop_steps[i]` steps; after that it keeps its slot, its blocks and its place in every
     forward, and collects nothing. Rows stop on a step budget, not on EOS: output length is
     what Day 29 varies.
+
+    `kernels`: decode steps with the compiled glue and attention (`kernels.py`): None uses them
+    where they are built (an fp32 model on a machine with a compiler), True insists, False runs
+    torch's ops. Either way a row's tokens do not depend on the rows beside it.
     """
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                 block_size: int = 16):
+                 block_size: int = 16, kernels: bool | None = None):
         if not isinstance(stop_steps, Sequence) or any(
                 isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
             raise ValueError(f"stop_steps must be a list of ints >= 0 (decode steps per row), got {stop_steps!r}")
@@ -362,6 +389,7 @@ class StaticBatch:
             raise ValueError(f"{len(prompts)} prompts but {len(stop_steps)} stop_steps: need one per prompt")
         self.stop_steps = list(stop_steps)
         self.model = model
+        self.compiled = use_kernels(model, kernels)
         self.batch = pad_batch(prompts)
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, self.batch.lengths, self.n_steps + 1, block_size,
                                                 model.dtype)
@@ -397,7 +425,9 @@ class StaticBatch:
         step = self.kv.decode_step(self.last)
         R = step.positions.shape[0]
         ids = torch.tensor(self.last + [0] * (R - len(self.last)))[:, None]  # (R, 1)
-        return self._collect(self.model(ids, step.positions, self.kv.backend(step), last_only=True))
+        layer_fn = fused_layer if self.compiled else None
+        h = self.model.hidden_states(ids, step.positions, self.kv.backend(step, self.compiled), layer_fn=layer_fn)
+        return self._collect(linear(h[:, -1], self.model.lm_head).float())
 
     def _collect(self, logits: Tensor) -> Tensor:
         logits = logits[: len(self.tokens)]  # (B, V): dummy rows dropped
@@ -421,7 +451,8 @@ class StaticBatch:
 
 def greedy_generate_batch(model: Llama, prompts: Sequence[Sequence[int]],
                           max_new_tokens: int | Sequence[int] | None = None,
-                          stop_steps: Sequence[int] | None = None, block_size: int = 16) -> list[list[int]]:
+                          stop_steps: Sequence[int] | None = None, block_size: int = 16,
+                          kernels: bool | None = None) -> list[list[int]]:
     """Greedy tokens for every prompt, in one static batch. Give `max_new_tokens` (one int for all
     rows, or one per row) or `stop_steps` (decode steps per row, max_new_tokens - 1); EOS does not stop.
 
@@ -435,4 +466,4 @@ def greedy_generate_batch(model: Llama, prompts: Sequence[Sequence[int]],
             raise ValueError(f"max_new_tokens must be an int >= 1, or one for each of the {len(prompts)} prompts, "
                              f"got {max_new_tokens!r}")
         stop_steps = [x - 1 for x in n]
-    return StaticBatch(model, prompts, stop_steps, block_size).run()
+    return StaticBatch(model, prompts, stop_steps, block_size, kernels).run()

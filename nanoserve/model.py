@@ -290,6 +290,10 @@ class Block(nn.Module):
         return x + linear(F.silu(gate) * up, self.w_down)
 
 
+LayerFn = Callable[[Block, Tensor, Tensor, Tensor, int, KVBackend], Tensor]
+"""Runs one decoder layer: (block, x, cos, sin, layer, kv) -> x, as `Block.forward` does."""
+
+
 class Llama(nn.Module):
     """Token ids and their positions in, next-token logits out."""
 
@@ -331,9 +335,11 @@ class Llama(nn.Module):
 
     def hidden_states(
         self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
-        on_layer: Callable[[int, Tensor], None] | None = None,
+        on_layer: Callable[[int, Tensor], None] | None = None, layer_fn: LayerFn | None = None,
     ) -> Tensor:
-        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream."""
+        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream.
+        `layer_fn(block, x, cos, sin, i, kv)` runs each layer in place of the block itself (Day 29's
+        `kernels.fused_layer`: the same layer with its small calls compiled)."""
         if ids.dim() == 1:
             ids = ids[None]
         B, T = ids.shape
@@ -343,7 +349,7 @@ class Llama(nn.Module):
         cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
         x = F.embedding(ids, self.embed)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, i, kv)
+            x = block(x, cos, sin, i, kv) if layer_fn is None else layer_fn(block, x, cos, sin, i, kv)
             if on_layer is not None:
                 on_layer(i, x)
         return rms_norm(x, self.norm, self.cfg.rms_norm_eps)

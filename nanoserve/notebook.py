@@ -18,6 +18,19 @@ def show_source(obj: object) -> None:
         print(src)
 
 
+def show_cpp(name: str) -> None:
+    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`)."""
+    from .kernels import cpp_source
+
+    src = cpp_source(name)
+    try:
+        from IPython.display import Markdown, display
+
+        display(Markdown(f"```cpp\n{src}\n```"))
+    except ImportError:
+        print(src)
+
+
 def machine_info() -> str:
     """One line about the versions and the machine, for the first cell of every day."""
     import torch

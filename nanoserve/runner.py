@@ -69,19 +69,20 @@ class BatchedDecode:
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                         block_size: int = 16) -> BatchedDecode:
+                         block_size: int = 16, kernels: bool | None = None) -> BatchedDecode:
     """Stand up the batch `greedy_generate_batch(model, prompts, stop_steps=stop_steps)` runs."""
-    batch = StaticBatch(model, prompts, list(stop_steps), block_size)
+    batch = StaticBatch(model, prompts, list(stop_steps), block_size, kernels)
     return BatchedDecode(batch, batch.prefill, batch.step, list(stop_steps))
 
 
 def time_model_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16) -> tuple[BatchTiming, list[list[int]]]:
+                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16,
+                     kernels: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
     """Time one static batch: the prefill, every decode step, and row i's budget of stop_steps[i] steps.
 
     Rows stop on their step budget, not on EOS; a finished row stays in every forward (it keeps
     its slot and its blocks) until the slowest row is done, which is what the timing charges."""
-    run = build_batched_decode(model, prompts, stop_steps, block_size)
+    run = build_batched_decode(model, prompts, stop_steps, block_size, kernels)
     try:
         timing = time_static_batch(run.prefill, run.step, run.row_steps, clock)
     finally:
@@ -102,19 +103,20 @@ class Sweep:
         return fit_batch_scaling(sizes, [self.timings[b].median_step_s for b in sizes])
 
 
-def warm_up(model: Llama, prompt: Sequence[int], batch_size: int, steps: int = 2) -> None:
+def warm_up(model: Llama, prompt: Sequence[int], batch_size: int, steps: int = 2, kernels: bool | None = None) -> None:
     """A short untimed run of the same shape, so allocator growth is not in the first timed step."""
-    time_model_batch(model, [prompt] * batch_size, [steps] * batch_size)
+    time_model_batch(model, [prompt] * batch_size, [steps] * batch_size, kernels=kernels)
 
 
 def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence[int] = SWEEP_SIZES,
-                      steps: int = 32, warmup: bool = True, clock: Clock = DEFAULT_CLOCK) -> Sweep:
+                      steps: int = 32, warmup: bool = True, clock: Clock = DEFAULT_CLOCK,
+                      kernels: bool | None = None) -> Sweep:
     """Throughput against batch size: `prompt` replicated B times, every row decoding `steps` steps."""
     timings, tokens = {}, {}
     for b in batch_sizes:
         if warmup:
-            warm_up(model, prompt, b)
-        timings[b], tokens[b] = time_model_batch(model, [prompt] * b, [steps] * b, clock)
+            warm_up(model, prompt, b, kernels=kernels)
+        timings[b], tokens[b] = time_model_batch(model, [prompt] * b, [steps] * b, clock, kernels=kernels)
     return Sweep(timings, tokens)
 
 
@@ -219,6 +221,20 @@ def machine() -> str:
     return f"{machine_info()} | cpus {os.cpu_count()}{cpu}"
 
 
+TORCH_OPS_LABEL = "nanoserve-torch-ops"
+"""The CSV's label for our decode step run on torch's ops instead of the compiled kernels."""
+
+
+def kernels_description(compiled: bool) -> str:
+    """What a decode step runs, for the sidecar: the compiled kernels' build, or why torch's ops."""
+    from .kernels import build_flags, unavailable_reason
+
+    if compiled:
+        name, flags = build_flags()
+        return f"compiled kernels {name} ({' '.join(flags)})"
+    return f"torch ops ({unavailable_reason() or 'kernels not used'})"
+
+
 def pooled_median(timings: Sequence[BatchTiming]) -> float:
     """Median decode step over every step of every run (the sweep's rounds)."""
     return statistics.median(s for t in timings for s in t.step_s)
@@ -231,28 +247,42 @@ def blocking_run(model: Llama, prompts: Sequence[Sequence[int]]) -> BatchTiming:
     return timing
 
 
+@dataclass
+class SweepRuns:
+    """What `sweep_beside` timed, per batch size: every round's run of each path."""
+
+    ours: dict[int, list[BatchTiming]]
+    theirs: dict[int, list[BatchTiming]]  # transformers' generate; empty lists without it
+    same: dict[int, bool]  # transformers' tokens equal ours
+    torch_ops: dict[int, list[BatchTiming]]  # our step on torch's ops instead of the compiled kernels; may be empty
+    torch_ops_same: dict[int, bool] = field(default_factory=dict)  # their tokens equal ours
+
+
 def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[int], steps: int,
-                 rounds: int, before_round: Callable[[int], object] | None = None,
-                 ) -> tuple[dict[int, list[BatchTiming]], dict[int, list[BatchTiming]], dict[int, bool]]:
+                 rounds: int, before_round: Callable[[int], object] | None = None, torch_ops: bool = False,
+                 ) -> SweepRuns:
     """The uniform sweep, `rounds` times, transformers' generate right after each of ours (same machine
-    state for both); `before_round(r)` runs first in round r (the command measures the peak there).
-    Returns our runs and theirs per batch size, and whether their tokens equal ours."""
-    ours: dict[int, list[BatchTiming]] = {b: [] for b in sizes}
-    theirs: dict[int, list[BatchTiming]] = {b: [] for b in sizes}
-    same: dict[int, bool] = {}
+    state for both); with `torch_ops`, our step on torch's ops too (what the compiled kernels buy);
+    `before_round(r)` runs first in round r (the command measures the peak there)."""
+    runs = SweepRuns({b: [] for b in sizes}, {b: [] for b in sizes}, {}, {b: [] for b in sizes} if torch_ops else {})
+    ours, theirs, same = runs.ours, runs.theirs, runs.same
     for r in range(rounds):
         if before_round is not None:
             before_round(r)
         for b in sizes:
             sweep = sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0)
             ours[b].append(sweep.timings[b])
+            if torch_ops:
+                plain = sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0, kernels=False)
+                runs.torch_ops[b].append(plain.timings[b])
+                runs.torch_ops_same[b] = plain.tokens[b] == sweep.tokens[b]
             if hf_model is not None:
                 if r == 0:
                     time_hf_generate(hf_model, [prompt] * b, 2)  # warm up
                 timing, tokens = time_hf_generate(hf_model, [prompt] * b, steps)
                 theirs[b].append(timing)
                 same[b] = tokens == sweep.tokens[b]
-    return ours, theirs, same
+    return runs
 
 
 def print_blocking(t: BatchTiming) -> None:
@@ -262,16 +292,21 @@ def print_blocking(t: BatchTiming) -> None:
           f"{t.batch_done_s:.3f} s: head-of-line inflation {t.max_hol_inflation:.1f}x")
 
 
-def print_sweep(model: Llama, ours: BatchScaling, theirs: BatchScaling | None, meta: dict) -> None:
-    """The sweep's table: our step and tokens/s, transformers' beside them, and where the step sits against
-    the machine's peak FLOP/s (torch's matmul, and oneDNN's) and the roofline's best step."""
+def print_sweep(model: Llama, ours: BatchScaling, theirs: BatchScaling | None, meta: dict,
+                plain: BatchScaling | None = None) -> None:
+    """The sweep's table: our step and tokens/s, transformers' beside them, our step on torch's ops
+    (`plain`), and where the step sits against the machine's peak FLOP/s (torch's matmul, and
+    oneDNN's) and the roofline's best step."""
     peaks = [meta.get("peak_flops_torch"), meta.get("peak_flops_onednn")]
     head = f"{'B':>3} {'step ms':>8} {'tok/s':>7} {'eff':>5}"
+    head += f" | {'ops ms':>7} {'x ops':>5}" if plain else ""
     head += f" | {'hf ms':>7} {'hf tok/s':>8} {'hf eff':>6} {'x hf':>5}" if theirs else ""
     head += f" | {'GFLOP/s':>7} {'/torch':>6} {'/oneDNN':>7} {'best ms':>7}" if peaks[0] else ""
     print(head)
     for i, b in enumerate(ours.batch_sizes):
         line = f"{b:3d} {ours.step_s[i] * 1e3:8.1f} {ours.tok_per_s[i]:7.1f} {ours.efficiency[i]:5.2f}"
+        if plain:
+            line += f" | {plain.step_s[i] * 1e3:7.1f} {ours.tok_per_s[i] / plain.tok_per_s[i]:5.2f}"
         if theirs:
             line += (f" | {theirs.step_s[i] * 1e3:7.1f} {theirs.tok_per_s[i]:8.1f} {theirs.efficiency[i]:6.2f} "
                      f"{ours.tok_per_s[i] / theirs.tok_per_s[i]:5.2f}")
@@ -295,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="sweep rounds; the median step pools every round")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
+    ap.add_argument("--no-torch-ops", action="store_true",
+                    help="skip timing our step on torch's ops beside the compiled kernels")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--out", default=CSV_PATH)
     args = ap.parse_args(argv)
@@ -302,16 +339,18 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     from . import load
+    from .batch import use_kernels
     from .batchbench import write_csv
     from .fetch import ensure_model
     from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline
 
     model, tok = load()
+    compiled = use_kernels(model)
     meta: dict = dict(command=shlex.join(["python", "-m", "nanoserve.batchbench",
                                           *(sys.argv[1:] if argv is None else argv)]),
                       machine=machine(), threads=torch.get_num_threads(), loadavg_start=os.getloadavg()[0],
-                      weight_bytes=model.weight_bytes())
-    print(meta["machine"])
+                      weight_bytes=model.weight_bytes(), kernels=kernels_description(compiled))
+    print(f"{meta['machine']}\ndecode step: {meta['kernels']}")
     prompts = [tok.encode(p) for p in PROMPTS]
     blocking = blocking_run(model, prompts)
     print_blocking(blocking)
@@ -323,12 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         with torch.inference_mode():
             peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
 
-    ours, theirs, same = sweep_beside(model, hf_model, prompts[0], args.sizes, args.steps, args.rounds,
-                                      None if args.no_roofline else measure_peaks)
+    runs = sweep_beside(model, hf_model, prompts[0], args.sizes, args.steps, args.rounds,
+                        None if args.no_roofline else measure_peaks, torch_ops=compiled and not args.no_torch_ops)
+    ours, theirs, same = runs.ours, runs.theirs, runs.same
     scaling = fit_batch_scaling(args.sizes, [pooled_median(ours[b]) for b in args.sizes])
     hf_scaling = fit_batch_scaling(args.sizes, [pooled_median(theirs[b]) for b in args.sizes]) if same else None
+    plain = fit_batch_scaling(args.sizes, [pooled_median(runs.torch_ops[b]) for b in args.sizes]) \
+        if runs.torch_ops else None
     meta.update(sweep_prompt=PROMPTS[0], sweep_prompt_tokens=len(prompts[0]), sweep_steps=args.steps,
-                rounds=args.rounds, transformers_same_tokens=all(same.values()) if same else None)
+                rounds=args.rounds, transformers_same_tokens=all(same.values()) if same else None,
+                torch_ops_same_tokens=all(runs.torch_ops_same.values()) if runs.torch_ops_same else None)
     if not args.no_roofline:
         roof = measure_roofline()
         peaks.append((roof.matmul_flops, roof.onednn_flops))
@@ -340,14 +383,15 @@ def main(argv: list[str] | None = None) -> int:
               f"divides by their medians")
     meta["loadavg_end"] = os.getloadavg()[0]
     print(f"\nsweep: {PROMPTS[0]!r} ({len(prompts[0])} tokens) x B rows, {args.steps} decode steps x {args.rounds} "
-          f"rounds, median step; transformers' generate interleaved (same tokens: {meta['transformers_same_tokens']})")
-    print_sweep(model, scaling, hf_scaling, meta)
+          f"rounds, median step; transformers' generate interleaved (same tokens: {meta['transformers_same_tokens']})"
+          + (f"; ours on torch's ops too (same tokens: {meta['torch_ops_same_tokens']})" if plain else ""))
+    print_sweep(model, scaling, hf_scaling, meta, plain)
 
-    runs = [("blocking", blocking)] + [(label, t) for b in args.sizes
-                                       for label, ts in (("nanoserve", ours[b]), ("transformers", theirs[b]))
-                                       for t in ts]
+    paths = lambda b: (("nanoserve", ours[b]), (TORCH_OPS_LABEL, runs.torch_ops.get(b, [])),
+                       ("transformers", theirs[b]))
+    rows = [("blocking", blocking)] + [(label, t) for b in args.sizes for label, ts in paths(b) for t in ts]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out, runs)
+    write_csv(args.out, rows)
     sidecar_path(args.out).write_text(json.dumps(meta, indent=1) + "\n")
     print(f"-> {args.out} (+ {sidecar_path(args.out).name}); load average {meta['loadavg_start']:.1f} at the "
           f"start, {meta['loadavg_end']:.1f} at the end, on {os.cpu_count()} cpus")

@@ -95,10 +95,28 @@ def test_sweep_calls_before_round_ahead_of_each_round(model, prompts, monkeypatc
         return real_sweep(model, prompt, sizes, *args, **kwargs)
 
     monkeypatch.setattr(runner, "sweep_batch_sizes", logged_sweep)
-    ours, theirs, _ = sweep_beside(model, None, prompts[0], [1, 2], steps=1, rounds=2,
-                                   before_round=lambda r: events.append(f"round {r}"))
+    runs = sweep_beside(model, None, prompts[0], [1, 2], steps=1, rounds=2,
+                        before_round=lambda r: events.append(f"round {r}"))
     assert events == ["round 0", "B=1", "B=2", "round 1", "B=1", "B=2"]
-    assert [len(ours[b]) for b in (1, 2)] == [2, 2] and theirs == {1: [], 2: []}
+    assert [len(runs.ours[b]) for b in (1, 2)] == [2, 2] and runs.theirs == {1: [], 2: []} and runs.torch_ops == {}
+
+
+def test_sweep_times_the_torch_ops_step_beside_the_compiled_one(model, prompts, monkeypatch):
+    """Right after each of ours, in the same round: the A/B of what the compiled kernels buy."""
+    import nanoserve.runner as runner
+
+    events = []
+    real_sweep = runner.sweep_batch_sizes
+
+    def logged_sweep(model, prompt, sizes, *args, kernels=None, **kwargs):
+        events.append(f"B={sizes[0]}" + (" ops" if kernels is False else ""))
+        return real_sweep(model, prompt, sizes, *args, kernels=kernels, **kwargs)
+
+    monkeypatch.setattr(runner, "sweep_batch_sizes", logged_sweep)
+    runs = sweep_beside(model, None, prompts[0], [1, 4], steps=2, rounds=1, torch_ops=True)
+    assert events == ["B=1", "B=1 ops", "B=4", "B=4 ops"]
+    assert [len(runs.torch_ops[b]) for b in (1, 4)] == [1, 1]
+    assert runs.torch_ops_same == {1: True, 4: True}
 
 
 def test_command_writes_the_csv_and_its_sidecar(tmp_path):
@@ -108,7 +126,12 @@ def test_command_writes_the_csv_and_its_sidecar(tmp_path):
     runs = read_csv(out)
     label, blocking = runs[0]
     assert label == "blocking" and (blocking.issued_tokens, blocking.useful_tokens) == (248, 52)
-    assert [(lbl, t.batch_size) for lbl, t in runs[1:]] == [("nanoserve", 1), ("nanoserve", 2)]
     meta = json.loads(sidecar_path(out).read_text())
+    if meta["kernels"].startswith("compiled"):  # then our step on torch's ops is timed beside it
+        assert [(lbl, t.batch_size) for lbl, t in runs[1:]] == [
+            ("nanoserve", 1), ("nanoserve-torch-ops", 1), ("nanoserve", 2), ("nanoserve-torch-ops", 2)]
+        assert meta["torch_ops_same_tokens"] is True
+    else:
+        assert [(lbl, t.batch_size) for lbl, t in runs[1:]] == [("nanoserve", 1), ("nanoserve", 2)]
     assert meta["command"].startswith("python -m nanoserve.batchbench --sizes 1 2")
     assert "threads" in meta["machine"]
