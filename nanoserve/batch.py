@@ -252,7 +252,7 @@ class BatchedPagedAttention:
         self.cache.write(layer, s.write_slots, k[:n, 0], v[:n, 0])
         if self.compiled:
             out = paged_decode_attention(q.reshape(R, H, D), self.cache.k[layer], self.cache.v[layer],
-                                                 s.block_tables, s.context_lens, D**-0.5)
+                                         s.block_tables, s.context_lens, D**-0.5)
             return out.view(R, 1, H * D)
         kc = self.cache.k[layer].view(-1, D).index_select(0, s.key_rows).view(R, K, -1, D)
         if self._value_bags is None:

@@ -253,9 +253,9 @@ class SweepRuns:
 
     ours: dict[int, list[BatchTiming]]
     theirs: dict[int, list[BatchTiming]]  # transformers' generate; empty lists without it
-    same: dict[int, bool]  # transformers' tokens equal ours
+    same: dict[int, bool]  # transformers' tokens equal ours in every round
     torch_ops: dict[int, list[BatchTiming]]  # our step on torch's ops instead of the compiled kernels; may be empty
-    torch_ops_same: dict[int, bool] = field(default_factory=dict)  # their tokens equal ours
+    torch_ops_same: dict[int, bool] = field(default_factory=dict)  # their tokens equal ours in every round
 
 
 def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[int], steps: int,
@@ -275,13 +275,13 @@ def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[
             if torch_ops:
                 plain = sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0, kernels=False)
                 runs.torch_ops[b].append(plain.timings[b])
-                runs.torch_ops_same[b] = plain.tokens[b] == sweep.tokens[b]
+                runs.torch_ops_same[b] = runs.torch_ops_same.get(b, True) and plain.tokens[b] == sweep.tokens[b]
             if hf_model is not None:
                 if r == 0:
                     time_hf_generate(hf_model, [prompt] * b, 2)  # warm up
                 timing, tokens = time_hf_generate(hf_model, [prompt] * b, steps)
                 theirs[b].append(timing)
-                same[b] = tokens == sweep.tokens[b]
+                same[b] = same.get(b, True) and tokens == sweep.tokens[b]
     return runs
 
 
