@@ -25,16 +25,20 @@ from nanoserve.generate import greedy_ids
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [29, 30]]
 
 
-def solo_logits(model, prompt, steps):
+PATHS = pytest.mark.parametrize("kernels", [False, None], ids=["torch-ops", "default"])
+"""Both decode paths: torch's ops, and the default (the compiled kernels where they build)."""
+
+
+def solo_logits(model, prompt, steps, kernels=None):
     """Logits (steps + 1, V) of a one-prompt static batch: the prefill's, then each step's."""
-    sb = StaticBatch(model, [prompt], [steps])
+    sb = StaticBatch(model, [prompt], [steps], kernels=kernels)
     out = [sb.prefill()] + [sb.step() for _ in range(steps)]
     return torch.cat(out)
 
 
-def batch_logits(model, prompts, steps, block_size=16):
+def batch_logits(model, prompts, steps, block_size=16, kernels=None):
     """Logits (B, steps + 1, V) of one static batch."""
-    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size)
+    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size, kernels)
     out = [sb.prefill()] + [sb.step() for _ in range(steps)]
     return torch.stack(out, 1)
 
@@ -172,40 +176,45 @@ def test_decode_step_refuses_misuse(tiny_cfg):
 # ---- static batches and greedy_generate_batch ----------------------------------------------------
 
 
+@PATHS
 @pytest.mark.parametrize("block_size", [16, 4, 1])  # below KEY_MULTIPLE, the gathered width is rounded up
-def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model, block_size):
+def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model, block_size, kernels):
     steps = 6
-    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps, block_size)[0] for p in PROMPTS]
+    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps, block_size, kernels)[0] for p in PROMPTS]
     for B in range(2, len(PROMPTS) + 1):
-        logits = batch_logits(tiny_model, PROMPTS[:B], steps, block_size)
+        logits = batch_logits(tiny_model, PROMPTS[:B], steps, block_size, kernels)
         for i in range(B):
             assert torch.equal(logits[i], in_pair[i]), (B, i)
 
 
-def test_a_solo_run_agrees_with_its_row_to_rounding(tiny_model):
-    logits = batch_logits(tiny_model, PROMPTS, 6)
+@PATHS
+def test_a_solo_run_agrees_with_its_row_to_rounding(tiny_model, kernels):
+    logits = batch_logits(tiny_model, PROMPTS, 6, kernels=kernels)
     for i, p in enumerate(PROMPTS):
-        solo = solo_logits(tiny_model, p, 6)
+        solo = solo_logits(tiny_model, p, 6, kernels)
         assert torch.equal(solo[0], logits[i, 0])  # the prefill pads to ROW_MULTIPLE rows alone too
         torch.testing.assert_close(solo, logits[i], atol=1e-4, rtol=0)
 
 
-def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_path(tiny_model):
+@PATHS
+def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_path(tiny_model, kernels):
     lens = [4, 1, 7, 2, 5]
-    out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=lens)
+    out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=lens, kernels=kernels)
     assert [len(o) for o in out] == lens
     for p, n, o in zip(PROMPTS, lens, out):
-        assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n)[0]
+        assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n, kernels=kernels)[0]
         assert o == greedy_ids(tiny_model, p, n)  # the Day 08 loop, no cache at all
 
 
+@PATHS
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=24), min_size=1, max_size=6),
        st.integers(1, 6))
-def test_property_every_row_equals_its_solo_run(tiny_model, prompts, new_tokens):
-    out = greedy_generate_batch(tiny_model, prompts, max_new_tokens=new_tokens)
+def test_property_every_row_equals_its_solo_run(tiny_model, kernels, prompts, new_tokens):
+    out = greedy_generate_batch(tiny_model, prompts, max_new_tokens=new_tokens, kernels=kernels)
     for p, o in zip(prompts, out):
-        assert torch.equal(torch.tensor(o), torch.tensor(greedy_generate_batch(tiny_model, [p], new_tokens)[0]))
+        solo = greedy_generate_batch(tiny_model, [p], new_tokens, kernels=kernels)[0]
+        assert torch.equal(torch.tensor(o), torch.tensor(solo))
 
 
 def test_a_finished_row_keeps_its_slot_and_blocks_until_the_batch_ends(tiny_model):

@@ -70,21 +70,23 @@ def test_ragged_budgets_and_the_single_sequence_path_agree(model, prompts, solo)
             assert tokens == greedy_ids(model, p, n)  # Day 08's loop: no cache, no batch
 
 
-def test_rows_of_two_batches_are_bit_identical(model, prompts):
+@pytest.mark.parametrize("kernels", [False, None], ids=["torch-ops", "default"])
+def test_rows_of_two_batches_are_bit_identical(model, prompts, kernels):
     """Any two batches of two or more rows run every row through the same kernels: equal logits."""
     def logits(ps):
-        sb = StaticBatch(model, ps, [3] * len(ps))
+        sb = StaticBatch(model, ps, [3] * len(ps), kernels=kernels)
         return torch.stack([sb.prefill()] + [sb.step() for _ in range(3)], 1)  # (B, 4, V)
     a, b = logits(prompts[:3]), logits(prompts[2:8])
     assert torch.equal(a[2], b[0])
 
 
-def test_a_row_is_bit_identical_beside_a_much_longer_row(model, tok, prompts):
+@pytest.mark.parametrize("kernels", [False, None], ids=["torch-ops", "default"])
+def test_a_row_is_bit_identical_beside_a_much_longer_row(model, tok, prompts, kernels):
     """The decode step's gathered rectangle is as wide as the longest row: a short row's keys then sit
     beside hundreds of masked ones. Masked keys add exact zeros, so its logits do not move."""
     long = tok.encode("Once upon a time, in a small village by the river, there lived an old miller " * 12)
     def logits(ps):
-        sb = StaticBatch(model, ps, [4] * len(ps), block_size=16)
+        sb = StaticBatch(model, ps, [4] * len(ps), block_size=16, kernels=kernels)
         return torch.stack([sb.prefill()] + [sb.step() for _ in range(4)], 1)  # (B, 5, V)
     narrow, wide = logits([prompts[0], prompts[3]]), logits([prompts[0], long])
     assert len(long) > 150
