@@ -9,24 +9,22 @@ import sys
 
 def show_source(obj: object) -> None:
     """Print an object's source from the package: the notebook never keeps a second copy."""
-    src = inspect.getsource(obj)  # type: ignore[arg-type]
-    try:
-        from IPython.display import Markdown, display
-
-        display(Markdown(f"```python\n{src}\n```"))
-    except ImportError:
-        print(src)
+    _show(inspect.getsource(obj), "python")  # type: ignore[arg-type]
 
 
 def show_cpp(name: str) -> None:
     """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`)."""
     from .kernels import cpp_source
 
-    src = cpp_source(name)
+    _show(cpp_source(name), "cpp")
+
+
+def _show(src: str, language: str) -> None:
+    """Source as a highlighted block in a notebook, as plain text elsewhere."""
     try:
         from IPython.display import Markdown, display
 
-        display(Markdown(f"```cpp\n{src}\n```"))
+        display(Markdown(f"```{language}\n{src}\n```"))
     except ImportError:
         print(src)
 
