@@ -9,6 +9,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.nanoserve-installed
 PYTEST_ARGS ?=
+# Jupyter refuses to start as root unless told; root is the usual user in containers and on CI machines
+JUPYTER_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: lab test model lint bench clean
 
@@ -20,22 +22,22 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 model: $(STAMP)
-	$(BIN)/python -m nanoserve.fetch
-	$(BIN)/python -m nanoserve.kernels
+	$(BIN)/python -m nanoserve fetch
+	$(BIN)/python -m nanoserve kernels
 
 lab: model
-	$(BIN)/python -m jupyter lab notebooks/01_model_on_disk.ipynb
+	$(BIN)/python -m jupyter lab $(JUPYTER_ARGS) notebooks/01_model_on_disk.ipynb
 
 test: model
 	$(BIN)/python -m ruff check nanoserve tests
-	$(BIN)/python -m pytest -q --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
+	$(BIN)/python -m pytest -q -rs --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg \
 		--durations=15 tests notebooks $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check nanoserve tests
 
 bench: model
-	$(BIN)/python -m nanoserve.bench single
+	$(BIN)/python -m nanoserve bench single
 
 clean:
 	rm -rf $(VENV) .pytest_cache

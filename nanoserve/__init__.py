@@ -1,20 +1,30 @@
-"""nanoserve: an LLM inference engine built from an empty folder, one notebook a day."""
+"""nanoserve: an LLM inference engine built from an empty folder, one notebook a day.
+
+    config, tokenizer, sampling, generate   the request's ends: settings, text, choosing tokens, the loop
+    model/       the Llama decoder, its ops, its weight products, checkpoints
+    kernels/     the compiled C++ kernels the model and attention call where they can
+    kv/          where keys and values live: a contiguous cache, the paged pool's blocks and storage
+    attention/   one step's metadata and the paged attention backend
+    engine/      the model runner, sessions, the static batch
+    bench/       instruments: timing, roofline, profiler, benchmark commands
+    teach/       helpers the notebooks use to show things
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from .config import CheckpointError, ModelConfig
-from .generate import Completion, NoCacheSession, generate, stream_generate
-from .model import Llama
+from .engine import NoCacheSession, PagedSession
+from .generate import Completion, generate, stream_generate
+from .model import Llama, load_model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
-from .weights import load_model
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Completion", "Llama", "ModelConfig", "NoCacheSession", "SamplingParams",
+    "CheckpointError", "Completion", "Llama", "ModelConfig", "NoCacheSession", "PagedSession", "SamplingParams",
     "Tokenizer", "generate", "load", "load_model", "stream_generate",
 ]
 
@@ -24,7 +34,7 @@ def load(model_dir: str | Path | None = None, dtype=None, pack: bool = True) -> 
     (fetched and converted on first use). `pack`: see `load_model`."""
     import torch
 
-    from .fetch import ensure_model
+    from .model.fetch import ensure_model
 
     folder = Path(model_dir) if model_dir else ensure_model()
     return load_model(folder, dtype or torch.float32, pack=pack), Tokenizer.from_folder(folder)

@@ -1,12 +1,22 @@
-"""The command line: `python -m nanoserve generate --prompt TEXT [--chat] ...`.
+"""The command line: `python -m nanoserve <command>` (or the `nanoserve` script).
 
-Bad arguments get one line on stderr and exit code 2; the completion streams to stdout.
+    generate       complete a prompt, streamed to stdout
+    fetch          fetch + convert the model (idempotent)
+    kernels        build the compiled kernels now and say where they are
+    lengths        draw Day 15's request-length CSV
+    bench single   prefill and decode tok/s: nanoserve's roads vs transformers, with the roofline
+    bench layout   weight-streaming GB/s of candidate layouts at batch 1
+    bench paged    paged vs contiguous decode (Day 20)
+    bench batch    static batching, measured (Day 29)
+
+Bad arguments get one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from .config import CheckpointError
 
@@ -18,8 +28,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="nanoserve", description="nanoserve: a small LLM inference engine")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from .bench import batch, paged, single
+    from .model import fetch
+    from .teach import memory
+
+    ap = _Parser(prog="nanoserve", description="nanoserve: a small LLM inference engine. Commands:\n\n"
+                 + __doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="<command>")
     g = sub.add_parser("generate", help="complete a prompt")
     g.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
     g.add_argument("--prompt", required=True, help="the prompt text")
@@ -33,12 +48,42 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (Day 08)")
+    fetch.add_arguments(sub.add_parser("fetch", help="fetch + convert the model (idempotent)"))
+    k = sub.add_parser("kernels", help="build the compiled kernels now and say where they are")
+    k.add_argument("-v", "--verbose", action="store_true", help="show the compiler's output")
+    memory.add_arguments(sub.add_parser("lengths", help="draw Day 15's request-length CSV"))
+    b = sub.add_parser("bench", help="benchmarks that write a CSV under data/")
+    bsub = b.add_subparsers(dest="what", required=True, parser_class=_Parser, metavar="<benchmark>")
+    single.add_arguments(bsub.add_parser("single", help="prefill/decode tok/s: nanoserve vs transformers"),
+                         bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
+    paged.add_arguments(bsub.add_parser("paged", help="paged vs contiguous decode (Day 20)"))
+    batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return generate(args)
+    if args.command == "fetch":
+        from .model import fetch
+
+        return fetch.run(args)
+    if args.command == "kernels":
+        return build_kernels(args.verbose)
+    if args.command == "lengths":
+        from .teach import memory
+
+        return memory.run(args, argv)
+    from .bench import batch, paged, single
+
+    return {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run}[args.what](args, argv)
+
+
+def generate(args: argparse.Namespace) -> int:
     from . import load
+    from .engine import NoCacheSession
     from .generate import stream_generate
     from .sampling import SamplingParams
 
@@ -61,14 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     text = args.prompt
     ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
-    session = None
-    if not args.no_cache:
-        try:
-            from .cache import cached_session
-
-            session = cached_session(model, len(ids) + params.max_tokens)
-        except ImportError:
-            session = None
+    session = NoCacheSession(model) if args.no_cache else None  # None: the engine's own road
     try:
         for step in stream_generate(model, ids, params, tok, session):
             sys.stdout.write(step.text)
@@ -77,4 +115,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nnanoserve: error: {e}", file=sys.stderr)
         return 2
     sys.stdout.write("\n")
+    return 0
+
+
+def build_kernels(verbose: bool = False) -> int:
+    """Build the kernels now (they are otherwise built on first use) and say where they are."""
+    from . import kernels
+
+    start = time.perf_counter()
+    if kernels.load(verbose=verbose) is None:
+        print(f"nanoserve kernels: not built ({kernels.unavailable_reason()}); the engine will use torch ops")
+        return 0  # not an error: the engine runs without them
+    name, flags = kernels.build_flags()
+    print(f"nanoserve kernels: {name} ready in {time.perf_counter() - start:.1f} s "
+          f"({' '.join(flags)}; {kernels.build_dir(name)})")
     return 0

@@ -12,11 +12,17 @@ both libraries:
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+
+
+def nanoserve_home() -> Path:
+    """Where fetched models and built kernels live, outside any clone: $NANOSERVE_HOME, else ~/.cache/nanoserve."""
+    return Path(os.environ.get("NANOSERVE_HOME", Path.home() / ".cache" / "nanoserve"))
 
 
 class CheckpointError(ValueError):

@@ -1,83 +1,24 @@
-"""Generation: the loop that turns a prompt into a completion (Days 08 and 10).
+"""Generation: the loop that turns a prompt into a completion (Days 08, 10 and 19).
 
-The loop is the same on every engine path. What differs is how the next logits
-are produced, so that sits behind a tiny `Session` interface:
-
-    prefill(prompt_ids) -> logits of the last prompt position
-    decode(token_id)     -> logits after appending one token
-
-`NoCacheSession` (Day 08) recomputes the whole sequence every step: simple and
-correct, and its cost per token grows with length. Day 13's KV cache is another
-Session with the same two methods, and the tokens must not change.
+The loop is the same on every engine path. What differs is how the next logits are
+produced, so that sits behind a `Session` (`engine.session`): prefill the prompt, then
+decode one token at a time. With no session given, `generate` runs the engine's own
+road, a paged cache sized for the request (`PagedSession`); `NoCacheSession` is Day 08's
+road, named when wanted.
 """
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import torch
-from torch import Tensor
-
+from .engine.checks import check_prompt
+from .engine.session import PagedSession, Session, paged_session
+from .kv.paged import PagedKVCache
 from .model import Llama
 from .sampling import Sampler, SamplingParams
 from .tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class Session(Protocol):
-    def prefill(self, ids: list[int]) -> Tensor: ...
-    def decode(self, token: int) -> Tensor: ...
-
-
-class NoCacheSession:
-    """Every step runs the full forward over prompt + everything generated so far."""
-
-    def __init__(self, model: Llama):
-        self.model = model
-        self.ids: list[int] = []
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> Tensor:
-        self.ids = list(ids)
-        return self.model(torch.tensor([self.ids]), last_only=True)[0]
-
-    @torch.inference_mode()
-    def decode(self, token: int) -> Tensor:
-        self.ids.append(token)
-        return self.model(torch.tensor([self.ids]), last_only=True)[0]
-
-
-def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int, max_tokens: int = 1) -> None:
-    """Refuse what no engine path can serve, with a message that says what and where.
-
-    `max_tokens`: how many tokens must fit after the prompt (at least the one its prefill produces)."""
-    if isinstance(prompt_ids, (str, bytes)):
-        raise ValueError(f"prompt is text ({prompt_ids[:20]!r}), not token ids: encode it with the tokenizer first")
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt is empty: at least one token is needed to produce logits")
-    not_ids = [i for i in prompt_ids if not _is_token_id(i)]
-    if not_ids:
-        raise ValueError(f"prompt holds values that are not token ids (integers): {not_ids[:5]}")
-    if len(prompt_ids) + max_tokens > max_context:
-        room = ("leaving no room to generate" if max_tokens == 1 else
-                f"leaving room for {max(0, max_context - len(prompt_ids))} of the {max_tokens} tokens to generate")
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}, {room}")
-    bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
-    if bad:
-        raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-
-
-def _is_token_id(x: object) -> bool:
-    """An integer (Python, numpy or a one-element integer tensor), not a float or a bool that would pass as one."""
-    if isinstance(x, bool):
-        return False
-    try:
-        operator.index(x)
-    except TypeError:
-        return False
-    return True
 
 
 @dataclass
@@ -144,9 +85,9 @@ def stream_generate(
     check_prompt(prompt_ids, cfg.max_position_embeddings, cfg.vocab_size)
     if params.stop and tokenizer is None:
         raise ValueError("stop strings need a tokenizer to see the text")
-    session = session or NoCacheSession(model)
-    sampler = Sampler(params)
     stopper = StopChecker(params, cfg.eos_token_id, cfg.max_position_embeddings - len(prompt_ids))
+    session = session or paged_session(model, len(prompt_ids) + stopper.max_new)
+    sampler = Sampler(params)
     detok = IncrementalDetokenizer(tokenizer) if tokenizer else None
     seen = list(prompt_ids)
     logits = session.prefill(list(prompt_ids))
@@ -188,3 +129,19 @@ def greedy_ids(model: Llama, prompt_ids: list[int], max_tokens: int, session: Se
     """Greedy token ids only (no text): the form equivalence tests compare across engine paths."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     return generate(model, prompt_ids, params, session=session).token_ids
+
+
+def generate_n(model: Llama, prompt_ids: list[int], params: SamplingParams, cache: PagedKVCache,
+               tokenizer: Tokenizer | None = None) -> list[Completion]:
+    """params.n samples of one prompt: the prompt is prefilled once and its blocks are shared by
+    every sample. Sample i uses seed params.seed + i, so it equals a solo run with that seed."""
+    parent = PagedSession(model, cache)
+    parent.prefill(prompt_ids)
+    sessions = [parent] + [parent.fork() for _ in range(params.n - 1)]
+    outs = []
+    for i, session in enumerate(sessions):
+        seed = None if params.seed is None else params.seed + i
+        outs.append(generate(model, prompt_ids, dataclasses.replace(params, n=1, seed=seed), tokenizer, session))
+    for session in sessions:
+        session.free()
+    return outs

@@ -7,14 +7,17 @@ import sys
 
 import pytest
 
+from nanoserve.cli import build_parser
+
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_generate_greedy_chat(model_dir):
+@pytest.mark.parametrize("road", [[], ["--no-cache"]], ids=["engine", "no-cache"])
+def test_generate_greedy_chat(model_dir, road):
     r = run("generate", "--model", str(model_dir), "--prompt", "What is the capital of France?",
-            "--chat", "--max-tokens", "12")
+            "--chat", "--max-tokens", "12", *road)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
 
@@ -34,7 +37,11 @@ def test_default_model_is_the_fetched_one(model_dir):
         (["generate", "--prompt", "hi", "--max-tokens", "zero"], "--max-tokens"),
         (["generate", "--prompt", ""], "--prompt is empty"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/folder"], "checkpoint folder not found"),
+        (["generate", "--prompt", "hi", "--stop", ""], "stop"),
         (["frobnicate"], "invalid choice"),
+        (["bench"], "<benchmark>"),
+        (["bench", "batch", "--sizes", "x"], "--sizes"),
+        (["lengths", "-n", "many"], "-n"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(args, message):
@@ -42,3 +49,27 @@ def test_bad_arguments_exit_2_with_one_line(args, message):
     assert r.returncode == 2
     lines = [ln for ln in r.stderr.strip().splitlines() if ln]
     assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_kernels_command_builds_them_and_says_where(compiled):
+    r = run("kernels")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("nanoserve kernels: nanoserve_kernels") and " ready in " in r.stdout
+
+
+def test_lengths_command_draws_the_committed_distribution(tmp_path):
+    out = tmp_path / "lengths.csv"
+    r = run("lengths", "-n", "5", "--seed", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = out.read_text().splitlines()
+    assert lines[0] == f"# command: python -m nanoserve lengths -n 5 --seed 3 --out {out}"
+    assert lines[1] == "request,prompt_tokens,output_tokens" and len(lines) == 2 + 5
+    assert "5 requests" in r.stdout
+
+
+@pytest.mark.parametrize("args", [[], ["generate"], ["fetch"], ["kernels"], ["lengths"], ["bench"], ["bench", "single"],
+                                  ["bench", "layout"], ["bench", "paged"], ["bench", "batch"]])
+def test_every_command_has_help(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*args, "--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: nanoserve")

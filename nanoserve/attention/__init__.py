@@ -1,0 +1,8 @@
+"""Attention over a paged pool: one metadata for every step (`metadata`), one backend (`backend`)
+with three implementations: the reference gather (`reference`), batched torch ops (`torch_ops`),
+and the compiled kernel (`kernels.paged_attention`)."""
+
+from .backend import IMPLEMENTATIONS, PagedAttention, choose
+from .metadata import AttentionMetadata, Chunk, prepare
+
+__all__ = ["IMPLEMENTATIONS", "AttentionMetadata", "Chunk", "PagedAttention", "choose", "prepare"]

@@ -1,0 +1,102 @@
+"""The paged attention backend: one KVBackend for every paged step, its implementations chosen here.
+
+    reference  gather each request's blocks, attend over the copy (the oracle; Day 18)
+    torch      batched torch ops: decode rows in one gathered rectangle (Day 28)
+    compiled   one C++ loop that reads each request's keys where they lie (`kernels.paged_attention`);
+               a whole prompt, whose keys are all new, takes torch's fused causal kernel
+
+All three take the same `AttentionMetadata` and give each request the same answer to fp32
+rounding; each gives a request the same bits whatever else is in its step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from . import reference, torch_ops
+from .metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from ..kv.paged import KVStorage
+
+Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, dict], Tensor]
+"""(q (N, H, D), k, v (N, K, D), k_pool, v_pool (blocks, bs, K, D), metadata, scratch) -> (N, H*D)."""
+
+
+def compiled_attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetadata,
+                    scratch: dict) -> Tensor:
+    """Decode tokens and chunks after cached context: the compiled kernel, reading keys where they lie.
+    A whole prompt (nothing cached before it) has its keys in hand: torch's fused causal kernel."""
+    if "split" not in scratch:
+        scratch["split"] = split_prompts(md)
+    prompts, rest = scratch["split"]
+    scale = q.shape[-1] ** -0.5
+    if not prompts:
+        return kernels.paged_attention(q, k_pool, v_pool, md.query_start_loc, md.seq_lens, md.block_tables, scale)
+    out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
+    for s, e in prompts:
+        out[s:e] = torch_ops.prompt_attention(q[s:e], k[s:e], v[s:e])
+    if rest is not None:
+        rows, qsl, seq_lens, tables = rest
+        out[rows] = kernels.paged_attention(q[rows], k_pool, v_pool, qsl, seq_lens, tables, scale)
+    return out
+
+
+def split_prompts(md: AttentionMetadata) -> tuple[list[tuple[int, int]], tuple[Tensor, Tensor, Tensor, Tensor] | None]:
+    """The step's whole prompts as row ranges, and the rest as the kernel's inputs: their rows of the
+    step, and their query_start_loc, seq_lens and block tables (None if there is no rest)."""
+    qsl = md.query_start_loc.tolist()
+    whole = [r for r, (n, s) in enumerate(zip(md.query_lens, md.seq_lens_host)) if n > 1 and n == s]
+    others = [r for r in range(md.num_requests) if r not in set(whole)]
+    prompts = [(qsl[r], qsl[r + 1]) for r in whole]
+    if not others:
+        return prompts, None
+    rows = torch.cat([torch.arange(qsl[r], qsl[r + 1]) for r in others])
+    starts = torch.tensor([0] + [md.query_lens[r] for r in others]).cumsum(0)
+    idx = torch.tensor(others)
+    return prompts, (rows, starts, md.seq_lens[idx].contiguous(), md.block_tables[idx].contiguous())
+
+
+IMPLEMENTATIONS: dict[str, Attend] = {
+    "reference": reference.attend,
+    "torch": torch_ops.attend,
+    "compiled": compiled_attend,
+}
+
+
+def choose(kernels_on: bool, want: str | None = None) -> str:
+    """The implementation a step runs: `want` if given, else the compiled one where the kernels are on."""
+    if want is not None:
+        if want not in IMPLEMENTATIONS:
+            raise ValueError(f"attention={want!r}: choose one of {sorted(IMPLEMENTATIONS)}")
+        if want == "compiled" and not kernels_on:
+            raise ValueError("attention='compiled' needs the compiled kernels on (kernels=None or True)")
+        return want
+    return "compiled" if kernels_on else "torch"
+
+
+class PagedAttention:
+    """The KVBackend of one paged step: write the step's new k/v into their slots, then attend.
+
+    The model calls it once per layer with the rotated q (B, T, H, D) and k, v (B, T, K, D) of the
+    step's tokens, laid out as `prepare` flattened them (B * T = N rows, padding rows last)."""
+
+    def __init__(self, storage: KVStorage, metadata: AttentionMetadata, impl: str = "reference"):
+        self.storage, self.metadata, self.impl = storage, metadata, impl
+        self.attend = IMPLEMENTATIONS[impl]
+        self.scratch: dict = {}  # what one layer builds and the others reuse
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        B, T, H, D = q.shape
+        K = k.shape[2]
+        q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, K, D), v.reshape(B * T, K, D)
+        md = self.metadata
+        n = md.num_tokens  # real tokens come first: padding rows are never written
+        self.storage.write(layer, md.slot_mapping, k[:n], v[:n])
+        out = self.attend(q, k, v, self.storage.k[layer], self.storage.v[layer], md, self.scratch)
+        return out.view(B, T, H * D)

@@ -1,0 +1,110 @@
+"""One step's attention metadata, in the field's names (vLLM's, FlashAttention's varlen API).
+
+A step is a flat list of N tokens from R requests. Each request contributes any number of
+query tokens, the next ones of its sequence after the `num_computed` it already has in the
+cache: a whole prompt (num_computed 0), a chunk of one, or one decode token. There is no
+prefill or decode phase, only tokens computed and tokens to compute (vLLM V1's view).
+`prepare` lays the requests' tokens end to end and describes them:
+
+    query_start_loc (R+1,)  request r owns rows query_start_loc[r] .. query_start_loc[r+1]-1
+    seq_lens        (R,)    tokens request r attends over after this step: cached + new
+    block_tables    (R, W)  its physical blocks, padded with 0 (never read past seq_lens)
+    slot_mapping    (n,)    the pool slot each real token's k/v is written to
+    positions       (N,)    each token's position in its own sequence (RoPE reads it)
+
+A query at position p attends over its request's keys 0..p. N is n rounded up by
+`model.matmul.forward_rows` (zero rows added at the end); those rows belong to no request.
+
+>>> ids, md = prepare([Chunk([5, 6, 7], 0, [0]), Chunk([8], 4, [1, 2])], block_size=4)
+>>> md.query_start_loc.tolist(), md.seq_lens.tolist(), md.positions.tolist(), md.slot_mapping.tolist()
+([0, 3, 4], [3, 5], [0, 1, 2, 4], [0, 1, 2, 8])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..model.matmul import forward_rows
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One request's share of a step: `token_ids` to compute now, after `num_computed` tokens whose
+    k/v is already in the blocks of `block_table` (which must also hold slots for the new ones)."""
+
+    token_ids: Sequence[int]
+    num_computed: int
+    block_table: Sequence[int]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each token of a step sits and where its request's keys are. Built by `prepare`."""
+
+    query_start_loc: Tensor  # (R+1,) int64
+    seq_lens: Tensor  # (R,) int64
+    block_tables: Tensor  # (R, W) int64
+    slot_mapping: Tensor  # (n,) int64, the real tokens only
+    positions: Tensor  # (N,) int64, padding rows at position 0
+    query_lens: tuple[int, ...]  # the same numbers on the host, for loops that need them
+    seq_lens_host: tuple[int, ...]
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens in the step (rows past them are padding)."""
+        return self.slot_mapping.numel()
+
+    @property
+    def context_lens(self) -> tuple[int, ...]:
+        """Tokens each request had cached before this step."""
+        return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens))
+
+    @property
+    def last_rows(self) -> Tensor:
+        """(R,) the row of each request's last token: where its next-token logits are read."""
+        return self.query_start_loc[1:] - 1
+
+
+def prepare(chunks: Sequence[Chunk], block_size: int) -> tuple[Tensor, AttentionMetadata]:
+    """The step's input ids (N,) and metadata, for requests in order. Every engine path builds its
+    step here: one sequence's prefill or decode, a static batch, the scheduler's mixed steps."""
+    if not chunks:
+        raise ValueError("a step needs at least one request")
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    seq_lens = []
+    for r, c in enumerate(chunks):
+        n, start, table = len(c.token_ids), c.num_computed, c.block_table
+        if n == 0:
+            raise ValueError(f"request {r}: no tokens to compute in this step")
+        if start < 0:
+            raise ValueError(f"request {r}: num_computed={start} must be >= 0")
+        end = start + n
+        if -(-end // block_size) > len(table):
+            raise ValueError(f"request {r}: {end} tokens need {-(-end // block_size)} blocks of {block_size}, "
+                             f"its table has {len(table)}")
+        ids.extend(c.token_ids)
+        positions.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        starts.append(starts[-1] + n)
+        seq_lens.append(end)
+    n_real = starts[-1]
+    pad = forward_rows(n_real) - n_real
+    width = max(-(-s // block_size) for s in seq_lens)
+    tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
+    md = AttentionMetadata(
+        query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens), block_tables=torch.tensor(tables),
+        slot_mapping=torch.tensor(slots), positions=torch.tensor(positions + [0] * pad),
+        query_lens=tuple(len(c.token_ids) for c in chunks), seq_lens_host=tuple(seq_lens), block_size=block_size)
+    return torch.tensor(ids + [0] * pad), md

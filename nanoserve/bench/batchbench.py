@@ -1,0 +1,303 @@
+"""What a static batch costs: wasted work and held-back answers (Day 29, the stdlib core).
+
+A static batch is fixed when it starts and runs until its slowest row is done.
+`BatchTiming` holds one such run and derives its two bills, which are never
+averaged into one number:
+
+- throughput: `issued_tokens` is what the forward computed (every row, every
+  step), `useful_tokens` what the rows collected; `waste_fraction` is the gap.
+- latency: every row is handed back at `batch_done_s`, so a row whose own work
+  ended at `row_done_s` waits `hol_delay_s` more (head-of-line blocking).
+
+How tokens count: the prefill emits each row's first token, so a row that
+generates n tokens needs n - 1 decode steps, and the batch runs max(n) - 1.
+Counts are decode tokens only. Seven rows of 4 behind one of 32 run 31 steps:
+
+>>> t = static_batch_timing([4] * 7 + [32])
+>>> t.issued_tokens, t.useful_tokens, round(t.waste_fraction, 2)   # 8 * 31, 7 * 3 + 31
+(248, 52, 0.79)
+
+`fit_batch_scaling` takes the other measurement, throughput against batch size
+on uniform batches. The clock is injected (`bench.timing`); the harness that
+builds the real model hands `time_static_batch` its prefill and step closures.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .timing import DEFAULT_CLOCK, Clock
+
+
+@dataclass(frozen=True)
+class BatchTiming:
+    """One static-batch run: the prefill, each decode step, and how many steps each row needed."""
+
+    prefill_s: float
+    step_s: list[float]
+    row_steps: list[int]
+
+    def __post_init__(self) -> None:
+        if not self.row_steps:
+            raise ValueError("empty batch: row_steps needs one entry per row")
+        if not self.step_s:
+            raise ValueError("no decode steps were timed: a static batch needs at least one")
+        if not (math.isfinite(self.prefill_s) and self.prefill_s >= 0):
+            raise ValueError(f"prefill_s must be finite and >= 0, got {self.prefill_s}")
+        if not all(math.isfinite(s) and s > 0 for s in self.step_s):
+            raise ValueError(f"every step duration must be finite and > 0, got {self.step_s}")
+        if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.row_steps):
+            raise ValueError(f"row_steps must be ints >= 0, got {self.row_steps}")
+        if max(self.row_steps) != self.n_steps:
+            raise ValueError(f"a static batch runs until its slowest row is done: max(row_steps) = "
+                             f"{max(self.row_steps)} but {self.n_steps} steps were timed")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.row_steps)
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.step_s)
+
+    @property
+    def decode_s(self) -> float:
+        return math.fsum(self.step_s)
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    @property
+    def issued_tokens(self) -> int:
+        """Decode tokens the forward computed: every row, every step, finished or not."""
+        return self.batch_size * self.n_steps
+
+    @property
+    def useful_tokens(self) -> int:
+        """Decode tokens some row actually needed."""
+        return sum(self.row_steps)
+
+    @property
+    def waste_fraction(self) -> float:
+        """Share of the decode spent on rows that were already done; 0.0 for a uniform batch."""
+        return 1 - self.useful_tokens / self.issued_tokens
+
+    def _elapsed(self) -> list[float]:
+        """Clock offsets after the prefill and after each step: n_steps + 1 readings."""
+        ends = [self.prefill_s]
+        for s in self.step_s:
+            ends.append(ends[-1] + s)
+        return ends
+
+    @property
+    def row_done_s(self) -> list[float]:
+        """Per row, when its own work ended: prefill plus its first row_steps[i] steps."""
+        ends = self._elapsed()
+        return [ends[r] for r in self.row_steps]
+
+    @property
+    def batch_done_s(self) -> float:
+        """When every row is handed back: prefill plus all steps."""
+        return self._elapsed()[-1]
+
+    @property
+    def hol_delay_s(self) -> list[float]:
+        """Per row, time spent holding a finished answer: batch_done_s - row_done_s."""
+        return [self.batch_done_s - done for done in self.row_done_s]
+
+    @property
+    def hol_inflation(self) -> list[float]:
+        """Per row, latency as returned over latency as earned: batch_done_s / row_done_s (>= 1)."""
+        # batch_done_s > 0 (every step takes time); a row that earned 0s (free prefill, no steps) is inf
+        return [self.batch_done_s / done if done > 0 else math.inf for done in self.row_done_s]
+
+    @property
+    def max_hol_inflation(self) -> float:
+        return max(self.hol_inflation)
+
+    @property
+    def issued_tok_per_s(self) -> float:
+        """What the hardware moved: issued decode tokens over decode time."""
+        return self.issued_tokens / self.decode_s
+
+    @property
+    def goodput_tok_per_s(self) -> float:
+        """What the service delivered: useful decode tokens over decode time."""
+        return self.useful_tokens / self.decode_s
+
+
+def time_static_batch(prefill: Callable[[], object], step: Callable[[], object],
+                      row_steps: Sequence[int], clock: Clock = DEFAULT_CLOCK) -> BatchTiming:
+    """Time `prefill()` once, then `step()` max(row_steps) times, and return the run.
+
+    The closures do the real work (the harness builds them around the model and
+    the cache); this function only reads the clock around each call.
+    """
+    row_steps = list(row_steps)
+    if not row_steps:
+        raise ValueError("empty batch: row_steps needs one entry per row")
+    t0 = clock()
+    prefill()
+    prefill_s = clock() - t0
+    step_s = []
+    for _ in range(max(row_steps)):
+        t0 = clock()
+        step()
+        step_s.append(clock() - t0)
+    return BatchTiming(prefill_s=prefill_s, step_s=step_s, row_steps=row_steps)
+
+
+def static_batch_timing(output_lens: Sequence[int], step_s: float = 1.0,
+                        prefill_s: float = 0.0) -> BatchTiming:
+    """A modelled run: rows generating `output_lens` tokens, every step taking `step_s`."""
+    if not output_lens or min(output_lens) < 1:
+        raise ValueError(f"need at least one row, each generating >= 1 token, got {list(output_lens)}")
+    if max(output_lens) < 2:
+        raise ValueError("every row generates 1 token, all from the prefill: no decode step to measure")
+    row_steps = [n - 1 for n in output_lens]
+    return BatchTiming(prefill_s=prefill_s, step_s=[step_s] * max(row_steps), row_steps=row_steps)
+
+
+def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: float,
+                       short_len: int = 4, step_s: float = 1.0, prefill_s: float = 0.0) -> BatchTiming:
+    """The Day-29 slider: a batch of short rows behind long ones, as a modelled `BatchTiming`.
+
+    round(short_share * batch_size) rows generate `short_len` tokens (halves round
+    up), the rest round(short_len * long_short_ratio). Waste and inflation are
+    counts of steps and rows, so they do not depend on `step_s`.
+
+    >>> t = static_batch_costs(8, short_share=7 / 8, long_short_ratio=8)
+    >>> t.row_steps, round(t.max_hol_inflation, 2)
+    ([3, 3, 3, 3, 3, 3, 3, 31], 10.33)
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not 0.0 <= short_share <= 1.0:
+        raise ValueError(f"short_share must be in [0, 1], got {short_share}")
+    if long_short_ratio < 1:
+        raise ValueError(f"long_short_ratio must be >= 1, got {long_short_ratio}")
+    if short_len < 1:
+        raise ValueError(f"short_len must be >= 1, got {short_len}")
+    n_short = math.floor(short_share * batch_size + 0.5)
+    long_len = math.floor(short_len * long_short_ratio + 0.5)
+    lens = [short_len] * n_short + [long_len] * (batch_size - n_short)
+    return static_batch_timing(lens, step_s=step_s, prefill_s=prefill_s)
+
+
+@dataclass(frozen=True)
+class BatchScaling:
+    """Throughput against batch size, from uniform batches (where every issued token is useful).
+
+    `speedup` is throughput over the smallest batch's (batch 1 in a real sweep);
+    `efficiency` is speedup over the ideal (B / B0), the share of linear scaling
+    that survived. `knee` is the largest batch size such that it and every
+    smaller size keep efficiency >= `min_efficiency` (by default three quarters
+    of linear scaling). The smallest size has efficiency 1, so it is the floor.
+    The knee can sit below the throughput peak: a size can still raise tok/s
+    while no longer paying its way.
+    """
+
+    batch_sizes: list[int]
+    step_s: list[float]
+    min_efficiency: float = 0.75
+
+    def __post_init__(self) -> None:
+        sizes = self.batch_sizes
+        if not sizes or len(sizes) != len(self.step_s):
+            raise ValueError(f"need one step time per batch size, got {sizes} and {self.step_s}")
+        if sizes[0] < 1 or any(b <= a for a, b in zip(sizes, sizes[1:])):
+            raise ValueError(f"batch sizes must be >= 1 and strictly increasing, got {sizes}")
+        if not all(math.isfinite(s) and s > 0 for s in self.step_s):
+            raise ValueError(f"step times must be finite and > 0, got {self.step_s}")
+        if not 0 < self.min_efficiency <= 1:
+            raise ValueError(f"min_efficiency must be in (0, 1], got {self.min_efficiency}")
+
+    @property
+    def tok_per_s(self) -> list[float]:
+        return [b / s for b, s in zip(self.batch_sizes, self.step_s)]
+
+    @property
+    def speedup(self) -> list[float]:
+        base = self.tok_per_s[0]
+        return [tp / base for tp in self.tok_per_s]
+
+    @property
+    def efficiency(self) -> list[float]:
+        b0 = self.batch_sizes[0]
+        return [sp / (b / b0) for sp, b in zip(self.speedup, self.batch_sizes)]
+
+    @property
+    def knee(self) -> int:
+        knee = self.batch_sizes[0]
+        for b, eff in zip(self.batch_sizes, self.efficiency):
+            if eff < self.min_efficiency:
+                break
+            knee = b
+        return knee
+
+    @property
+    def peak_batch_size(self) -> int:
+        tps = self.tok_per_s
+        return self.batch_sizes[tps.index(max(tps))]
+
+    @property
+    def peak_tok_per_s(self) -> float:
+        return max(self.tok_per_s)
+
+    @property
+    def peak_speedup(self) -> float:
+        return max(self.speedup)
+
+
+def fit_batch_scaling(batch_sizes: Sequence[int], median_step_s: Sequence[float],
+                      min_efficiency: float = 0.75) -> BatchScaling:
+    """Sort one sweep's (batch size, median decode step) pairs into a checked `BatchScaling`.
+
+    >>> s = fit_batch_scaling([1, 2, 4, 8], [0.279, 0.474, 0.940, 2.092])
+    >>> [round(e, 2) for e in s.efficiency], s.knee, s.peak_batch_size
+    ([1.0, 0.59, 0.3, 0.13], 1, 4)
+    """
+    if len(batch_sizes) != len(median_step_s):
+        raise ValueError(f"{len(batch_sizes)} batch sizes but {len(median_step_s)} step times")
+    pairs = sorted(zip(batch_sizes, median_step_s))
+    return BatchScaling([int(b) for b, _ in pairs], [float(s) for _, s in pairs], min_efficiency)
+
+
+CSV_FIELDS = ("label", "batch_size", "n_steps", "prefill_s", "decode_s", "issued_tokens", "useful_tokens",
+              "waste_fraction", "max_hol_inflation", "issued_tok_per_s", "goodput_tok_per_s",
+              "step_s", "row_steps")
+"""One row per run. prefill_s, step_s and row_steps are the raw record (lists joined with
+spaces, floats written exactly); the columns between are derived, for a reader of the file."""
+
+
+def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], header: Sequence[str] = ()) -> None:
+    """Write labelled runs (e.g. 'nanoserve', 'blocking') to `path`, one row each, below `header`'s
+    comment lines (the command and the machine)."""
+    with open(path, "w", newline="") as f:
+        for line in header:
+            f.write(line if line.startswith("#") else f"# {line}")
+            f.write("\n")
+        writer = csv.writer(f, lineterminator="\n")
+        writer.writerow(CSV_FIELDS)
+        for label, t in runs:
+            writer.writerow([label, t.batch_size, t.n_steps, repr(t.prefill_s), f"{t.decode_s:.6g}",
+                             t.issued_tokens, t.useful_tokens, f"{t.waste_fraction:.4f}",
+                             f"{t.max_hol_inflation:.4f}", f"{t.issued_tok_per_s:.4g}",
+                             f"{t.goodput_tok_per_s:.4g}", " ".join(map(repr, t.step_s)),
+                             " ".join(map(str, t.row_steps))])
+
+
+def read_csv(path: str | Path) -> list[tuple[str, BatchTiming]]:
+    """Read back what `write_csv` wrote (comment lines skipped); the raw columns rebuild each run exactly."""
+    with open(path, newline="") as f:
+        rows = csv.DictReader(line for line in f if not line.startswith("#"))
+        return [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
+                                           step_s=[float(x) for x in row["step_s"].split()],
+                                           row_steps=[int(x) for x in row["row_steps"].split()]))
+                for row in rows]

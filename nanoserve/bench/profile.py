@@ -1,0 +1,278 @@
+"""Where the time of one decode step goes (Day 12).
+
+A decode step is one forward pass. To see what it spends its time on we run that
+forward once under a `TorchFunctionMode`: every torch call the model makes
+(`F.embedding`, `x.view`, the attention kernel...) passes through it, and so do the
+compiled kernels and `onednn_linear`, which dispatch through `handle_torch_function`
+as torch's own ops do. We time each call and put it in one of a few groups a reader
+can point at in `model/llama.py`:
+
+    embedding  norms  qkv  rope  attention  o_proj  mlp  lm_head  other
+
+The rules, in order:
+
+1. the table lookup `F.embedding` is `embedding`; any other call that touches a
+   weight is named by that weight: a product with `block.wqkv` is `qkv`, `wo` is
+   `o_proj`, `w_gate_up`/`w_down` are `mlp`, the (tied) head is `lm_head`, a norm's
+   scale is `norms`. Weights are recognized by their memory, not their Python
+   object, so a transposed view (`w.t()`) or whichever kernel the model picks for
+   the product (`F.linear`, `F.embedding_bag`, `torch.bmm`, `onednn_linear`...) is
+   still found;
+2. everything the KV backend does is `attention` (we hand the model a backend
+   that wraps the real one, through the model's own `kv=` argument);
+3. calls made from a function whose name says `norm` or `rope` go to that group:
+   `add_rms_norm` with its residual add (one compiled call, or the torch road) is
+   `norms`, the rotation (the compiled `rope_`, or `apply_rope`) is `rope`, and so
+   is the position table lookup `Llama.rope`;
+4. anything else (a view, a shape query, SiLU) goes to the group of the call just
+   before it: the views that split a product's output into heads are part of that
+   product, `silu_mul` (compiled or not) and the block's last add `x + mlp(h)` are
+   part of `mlp`.
+
+Measuring code is split as elsewhere: `summarize` is stdlib-only arithmetic over
+`OpCall` records (unit-tested on hand-made rows), `profile_forward` runs the model
+with the clock injected (a fake clock makes every call cost one tick in tests).
+On a CPU each op has finished when it returns, so wall time per call is its cost;
+on a GPU we synchronize around each call, which is slower but still attributes
+correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ..config import ModelConfig
+from ..model import KVBackend, Llama, no_cache_backend
+
+GROUPS = ("embedding", "norms", "qkv", "rope", "attention", "o_proj", "mlp", "lm_head", "other")
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One torch call made by the forward: its group, its name and the seconds it took."""
+
+    group: str
+    op: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    """One line of the profile table."""
+
+    group: str
+    seconds: float  # median over repeats of the group's summed op time
+    share: float  # of the total over all groups
+    calls: int  # torch calls per forward
+
+
+def weight_group(name: str) -> str | None:
+    """The op group a parameter belongs to, from its name in `model.named_parameters()`.
+
+    >>> weight_group("layers.3.wqkv"), weight_group("layers.3.w_down"), weight_group("norm")
+    ('qkv', 'mlp', 'norms')
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in leaf:
+        return "norms"
+    if "qkv" in leaf or leaf in ("q_proj", "k_proj", "v_proj"):
+        return "qkv"
+    if leaf in ("wo", "o_proj"):
+        return "o_proj"
+    if any(s in leaf for s in ("gate", "up", "down", "mlp")):
+        return "mlp"
+    if "lm_head" in leaf or "embed" in leaf:
+        return "lm_head"  # a linear with the (tied) table is the head; the lookup is caught by op name
+    return None
+
+
+def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
+    """Bytes of weights each group reads in one forward over `n_tokens` tokens.
+
+    A matrix product reads its whole weight whatever T is; the embedding lookup reads only
+    the `n_tokens` rows it needs (the rest of the table is read, once, by the tied head).
+    Attention and RoPE read no weights, only activations (and, with a cache, K/V).
+    """
+    out = dict.fromkeys(GROUPS, 0)
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        group = weight_group(name)
+        if group is None or id(p) in seen or (p is model.embed and p is not model.lm_head):
+            continue  # an untied input table is read one row per token, counted below
+        seen.add(id(p))
+        out[group] += p.numel() * p.element_size()
+    out["embedding"] = n_tokens * model.embed.shape[-1] * model.embed.element_size()
+    return out
+
+
+def flops_by_group(cfg: ModelConfig, n_tokens: int) -> dict[str, int]:
+    """Useful multiply-add FLOPs (2 per multiply-add) of one forward over `n_tokens` tokens with `last_only`.
+
+    The matrix products cost 2 x T x (weights); the head scores one row; causal attention pairs each
+    query with its prefix, T(T+1)/2 pairs per head, for q.k and again for p.v. Norms, RoPE and
+    elementwise ops are O(T x C) and left out. Against `weight_bytes_by_group` this gives each
+    group's arithmetic intensity: about 0.5 FLOP per byte at T = 1 (fp32), T/2 for longer T.
+    """
+    T, C, D = n_tokens, cfg.hidden_size, cfg.head_dim
+    out = dict.fromkeys(GROUPS, 0)
+    out["qkv"] = 2 * T * C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D * cfg.n_layers
+    out["o_proj"] = 2 * T * cfg.n_heads * D * C * cfg.n_layers
+    out["mlp"] = 2 * T * 3 * C * cfg.intermediate_size * cfg.n_layers
+    out["attention"] = 2 * 2 * cfg.n_heads * D * (T * (T + 1) // 2) * cfg.n_layers
+    out["lm_head"] = 2 * cfg.vocab_size * C
+    return out
+
+
+def summarize(runs: Sequence[Sequence[OpCall]], groups: Sequence[str] = GROUPS) -> list[GroupRow]:
+    """Per-group median seconds over repeated runs, and each group's share of the total.
+
+    >>> run = [OpCall("qkv", "linear", 3.0), OpCall("mlp", "linear", 1.0)]
+    >>> [(r.group, r.share) for r in summarize([run, run], ("qkv", "mlp"))]
+    [('qkv', 0.75), ('mlp', 0.25)]
+    """
+    if not runs:
+        raise ValueError("summarize needs at least one run")
+    unknown = {c.group for run in runs for c in run} - set(groups)
+    if unknown:
+        raise ValueError(f"op groups {sorted(unknown)} are not among {list(groups)}")
+    medians = {g: statistics.median(sum(c.seconds for c in run if c.group == g) for run in runs) for g in groups}
+    total = sum(medians.values())
+    calls = {g: sum(1 for c in runs[0] if c.group == g) for g in groups}
+    return [GroupRow(g, medians[g], medians[g] / total if total > 0 else 0.0, calls[g]) for g in groups]
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _storage(t: Tensor) -> int:
+    """The address of a tensor's memory: the same for a parameter and every view of it."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, wrapper subclasses)
+        return -1
+
+
+def _caller_name() -> str:
+    """Name of the innermost function outside torch and this module that made the current torch call."""
+    frame = sys._getframe(2)
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or frame.f_code.co_filename == __file__):
+        frame = frame.f_back
+    return frame.f_code.co_name if frame is not None else ""
+
+
+class _GroupingMode(TorchFunctionMode):
+    """Times every torch call made under it and files it under an op group (rules in the module doc)."""
+
+    def __init__(self, weights: dict[int, str], clock: Clock, sync: Callable[[], None]):
+        super().__init__()
+        self.weights = weights  # storage address of a parameter -> its group
+        self.clock, self.sync = clock, sync
+        self.calls: list[OpCall] = []
+        self.in_attention = False
+        self.last = "other"
+
+    def group_of(self, func: Callable, args: tuple) -> str:
+        name = getattr(func, "__name__", "")
+        if self.in_attention:
+            return "attention"
+        if name == "embedding":
+            return "embedding"
+        if name != "__get__":  # reading an attribute (w.dtype, w.shape) is not work on the weight
+            for a in args:
+                if isinstance(a, Tensor) and (group := self.weights.get(_storage(a))) is not None:
+                    return group
+        caller = _caller_name().lower()
+        if "norm" in caller:
+            return "norms"
+        if "rope" in caller or "rotary" in caller:
+            return "rope"
+        return self.last
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        group = self.group_of(func, args)
+        self.sync()
+        t0 = self.clock()
+        out = func(*args, **(kwargs or {}))
+        self.sync()
+        self.calls.append(OpCall(group, getattr(func, "__name__", str(func)), self.clock() - t0))
+        self.last = group
+        return out
+
+
+def _attention_marking(mode: _GroupingMode, kv: KVBackend) -> KVBackend:
+    """A KV backend that runs `kv` with the mode told that what follows is attention."""
+
+    def backend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        mode.in_attention = True
+        try:
+            return kv(layer, q, k, v)
+        finally:
+            mode.in_attention = False
+            mode.last = "attention"
+
+    return backend
+
+
+@torch.inference_mode()
+def profile_forward(
+    model: Llama, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+    repeats: int = 5, warmup: int = 1, clock: Clock = time.perf_counter,
+) -> tuple[list[GroupRow], list[OpCall]]:
+    """Profile `model(ids, positions, kv, last_only=True)`: one decode step as the engine runs it.
+
+    ids (B, T). With no `kv`, the no-cache backend: a Day 08 decode step over the whole sequence.
+    Returns the summary table (median of `repeats` runs after `warmup`) and the op calls of one run.
+    `kv` must be reusable across runs (the no-cache backend is; a cache must be reset by the caller).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if ids.dim() == 1:
+        ids = ids[None]
+    weights = {_storage(p): g for n, p in model.named_parameters(remove_duplicate=False)
+               if (g := weight_group(n)) is not None}
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    base_kv = kv or no_cache_backend()
+    runs: list[list[OpCall]] = []
+    for i in range(warmup + repeats):
+        mode = _GroupingMode(weights, clock, sync)
+        with mode:
+            model(ids, positions, kv=_attention_marking(mode, base_kv), last_only=True)
+        if i >= warmup:
+            runs.append(mode.calls)
+    return summarize(runs), runs[-1]
+
+
+def weight_rates(rows: Sequence[GroupRow], weight_bytes: dict[str, int]) -> dict[str, float]:
+    """Bytes of weights per second each group achieved: its weight bytes over its time.
+
+    For a one-token step this is the number to hold against the machine's memory bandwidth: a
+    matrix-vector product does 2 FLOPs per 4-byte weight, so it can go no faster than the weights stream.
+
+    >>> weight_rates([GroupRow("mlp", 0.01, 1.0, 4)], {"mlp": 300_000_000})
+    {'mlp': 30000000000.0}
+    """
+    return {r.group: weight_bytes[r.group] / r.seconds for r in rows
+            if weight_bytes.get(r.group, 0) > 0 and r.seconds > 0}
+
+
+def format_table(rows: Sequence[GroupRow], weight_bytes: dict[str, int] | None = None) -> str:
+    """The profile as aligned text: group, ms, share, calls (and weight MB when given)."""
+    head = f"{'group':<10} {'ms':>8} {'share':>7} {'calls':>6}" + (f" {'weight MB':>10}" if weight_bytes else "")
+    lines = [head]
+    for r in rows:
+        line = f"{r.group:<10} {r.seconds * 1e3:8.2f} {r.share:7.1%} {r.calls:6d}"
+        if weight_bytes is not None:
+            line += f" {weight_bytes.get(r.group, 0) / 1e6:10.1f}"
+        lines.append(line)
+    return "\n".join(lines)

@@ -1,0 +1,199 @@
+"""This machine's roofline: how fast it can compute, how fast it can read memory (Day 11).
+
+A kernel is limited by whichever runs out first: arithmetic (peak FLOP/s) or
+bytes from memory (bandwidth). Its *arithmetic intensity*, FLOPs per byte read,
+says which: below the ridge point peak / bandwidth it is memory-bound.
+
+Decoding one token at batch 1 multiplies a vector by every weight matrix: 2 FLOPs
+per weight (multiply, add) for 4 bytes of fp32 weight, an intensity of 0.5. That is
+far below any CPU's ridge, so the step's floor is reading every weight once:
+
+    decode limit (tok/s) = bandwidth / weight bytes
+
+>>> decode_limit_tok_s(weight_bytes=538e6, bandwidth=25e9)  # doctest: +ELLIPSIS
+46.4...
+>>> decode_intensity(n_params=1000, batch=1), decode_intensity(n_params=1000, batch=8)
+(0.5, 4.0)
+>>> attainable_flops(0.5, peak=1e12, bandwidth=25e9)
+12500000000.0
+
+The pure functions above are unit-tested; `measure_roofline` runs the machine and
+is not a test: its numbers are reported with a median and printed beside benchmarks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..model import Llama
+from ..model.matmul import ONEDNN, onednn_linear, pack
+
+
+def decode_limit_tok_s(weight_bytes: float, bandwidth: float) -> float:
+    """Best possible batch-1 decode rate: each token must stream every weight once."""
+    if weight_bytes <= 0 or bandwidth <= 0:
+        raise ValueError(f"weight_bytes and bandwidth must be positive, got {weight_bytes}, {bandwidth}")
+    return bandwidth / weight_bytes
+
+
+def decode_intensity(n_params: float, batch: int = 1, bytes_per_param: float = 4.0,
+                     kv_bytes: float = 0.0) -> float:
+    """FLOPs per byte of one decode step: batch rows x 2 FLOPs per weight, weights read once.
+
+    Batching is the lever: the same weight bytes serve `batch` tokens. `kv_bytes` adds what
+    attention reads from the cache (per step, all rows), which grows with context and batch.
+    """
+    if n_params <= 0 or batch < 1 or bytes_per_param <= 0 or kv_bytes < 0:
+        raise ValueError(f"bad decode step: n_params={n_params}, batch={batch}, bytes={bytes_per_param}")
+    return 2.0 * n_params * batch / (n_params * bytes_per_param + kv_bytes)
+
+
+def attainable_flops(intensity: float, peak: float, bandwidth: float) -> float:
+    """The roofline: min(peak, intensity x bandwidth) FLOP/s."""
+    if intensity < 0 or peak <= 0 or bandwidth <= 0:
+        raise ValueError(f"intensity >= 0, peak > 0 and bandwidth > 0 expected, got {intensity}, {peak}, {bandwidth}")
+    return min(peak, intensity * bandwidth)
+
+
+def ridge_point(peak: float, bandwidth: float) -> float:
+    """Intensity (FLOP/byte) where a kernel stops being memory-bound."""
+    return peak / bandwidth
+
+
+def forward_flops(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True) -> float:
+    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones (multiply-add = 2).
+
+    Matmuls: 2 per weight per token (the LM head only for the last token with `last_only`).
+    Attention: each new query dots every key it may see and sums as many values, 4 x H x D per pair.
+    """
+    C, D, L, Fi = cfg.hidden_size, cfg.head_dim, cfg.n_layers, cfg.intermediate_size
+    per_layer = C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D + cfg.n_heads * D * C + 3 * C * Fi
+    head_rows = 1 if last_only else n_tokens
+    pairs = n_tokens * context + n_tokens * (n_tokens + 1) // 2  # (query, visible key) pairs, causal
+    return 2.0 * (L * per_layer * n_tokens + cfg.vocab_size * C * head_rows) + 4.0 * L * cfg.n_heads * D * pairs
+
+
+# ---- measuring the machine ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Roofline:
+    """Measured peaks (medians of repeats) and how they were measured."""
+
+    matmul_flops: float  # FLOP/s, fp32 square torch.matmul (MKL)
+    onednn_flops: float | None  # FLOP/s, the same product through oneDNN; None without it
+    read_bandwidth: float  # bytes/s, streaming sum of a buffer far larger than the caches
+    copy_bandwidth: float  # bytes/s, read + write counted, buffer to buffer
+    threads: int
+    gemm_n: int
+    buffer_bytes: int
+
+    @property
+    def peak_flops(self) -> float:
+        """The roof: the faster of the two products (a kernel is not the machine's limit)."""
+        return max(self.matmul_flops, self.onednn_flops or 0.0)
+
+    @property
+    def peak_kernel(self) -> str:
+        return "oneDNN" if (self.onednn_flops or 0.0) > self.matmul_flops else "torch.matmul"
+
+    def describe(self) -> str:
+        other = "" if self.onednn_flops is None else f"; torch.matmul {self.matmul_flops / 1e9:.0f}, " \
+            f"oneDNN {self.onednn_flops / 1e9:.0f}"
+        return (f"peak fp32 GEMM {self.peak_flops / 1e9:.0f} GFLOP/s (n={self.gemm_n}{other}), "
+                f"read {self.read_bandwidth / 1e9:.1f} GB/s, copy {self.copy_bandwidth / 1e9:.1f} GB/s "
+                f"({self.buffer_bytes / 2**30:.2f} GiB buffer), {self.threads} threads")
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> float:
+    """fp32 FLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs), median of `repeats`."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
+
+
+def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
+    """fp32 FLOP/s of the same product through oneDNN (torch's bundled mkldnn), or None without it.
+
+    torch.matmul goes to MKL, which on a non-Intel CPU may run a narrower code path than the chip
+    has; oneDNN picks kernels by the CPU's instruction set. The weight is packed into oneDNN's
+    blocked layout first, as nanoserve's are: the fastest product measured here."""
+    if not ONEDNN:
+        return None
+    with torch.inference_mode(False):  # a weight `pack` can version (and packed, as nanoserve's are)
+        a, w = torch.randn(n, n), torch.randn(n, n)
+        pack(w, rows=n)
+    with torch.inference_mode():
+        return 2 * n**3 / _median_seconds(lambda: onednn_linear(a, w), repeats)
+
+
+def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, float]:
+    """(read, copy) bytes/s on a buffer of `nbytes` (default 1 GiB: far larger than a CPU's caches).
+
+    Read: a sum, which touches each byte once and writes nothing. Copy: read + write counted
+    (2 x nbytes moved); it is lower because each written line is also read first.
+    """
+    n = nbytes // 4
+    src = torch.ones(n)
+    dst = torch.empty(n // 2)
+    half = src[: n // 2]
+    read = nbytes / _median_seconds(lambda: src.sum(), repeats)
+    copy = 2 * half.numel() * 4 / _median_seconds(lambda: dst.copy_(half), repeats)
+    return read, copy
+
+
+def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int = 7) -> Roofline:
+    """Measure this machine with torch's current thread count (a few seconds)."""
+    with torch.inference_mode():
+        flops, onednn = measure_gemm_flops(gemm_n, repeats), measure_onednn_gemm_flops(gemm_n, repeats)
+        read, copy = measure_bandwidth(buffer_bytes, repeats)
+    return Roofline(flops, onednn, read, copy, torch.get_num_threads(), gemm_n, buffer_bytes)
+
+
+# ---- one decode step against the machine ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepRoofline:
+    """Where a decode step of B rows sits: its FLOPs, its bytes, and the best time the machine allows."""
+
+    batch_size: int
+    flops: float  # one step: every row's one new token over `context` keys
+    bytes: float  # every weight once, plus each row's K/V
+    peak_flops: float
+    bandwidth: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    @property
+    def attainable_flops(self) -> float:
+        return min(self.peak_flops, self.intensity * self.bandwidth)
+
+    @property
+    def best_step_s(self) -> float:
+        return self.flops / self.attainable_flops
+
+
+def step_roofline(model: Llama, batch_size: int, context: int, peak_flops: float, bandwidth: float) -> StepRoofline:
+    """The roofline point of one decode step at `batch_size` rows, each attending over `context` keys."""
+    cfg = model.cfg
+    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.embed.element_size()
+    return StepRoofline(batch_size, batch_size * forward_flops(cfg, 1, context - 1),
+                        model.weight_bytes() + batch_size * kv_bytes, peak_flops, bandwidth)

@@ -1,0 +1,48 @@
+"""The model runner: turns one step's requests into model inputs and runs the forward.
+
+vLLM and nano-vllm call this part the ModelRunner. The caller (a session, a static batch,
+later the scheduler) has already given every request's new tokens slots in the pool; the
+runner lays the requests end to end (`attention.prepare`), runs the model once over the
+flat list of tokens with the paged attention backend, and returns each request's next-token
+logits. It decides nothing about who runs: that is the caller's business.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..attention import Chunk, PagedAttention, choose, prepare
+from ..kernels import torch_ops, use_kernels
+from ..kv.paged import PagedKVCache
+from ..model import Llama
+
+
+class ModelRunner:
+    """Runs steps of `model` on `cache`. A step of two or more tokens gives each request the same bits
+    whatever else is in it; a step of one token (one sequence's decode) takes the one-row road.
+
+    `kernels`: the compiled kernels for the layer's small ops and for attention: None where they can
+    run (fp32, built), True insists, False runs torch's ops. `attention` picks the attention
+    implementation by name ("reference", "torch", "compiled"; `attention.backend`), else the default."""
+
+    def __init__(self, model: Llama, cache: PagedKVCache, kernels: bool | None = None, attention: str | None = None):
+        self.model, self.cache = model, cache
+        self.kernels = use_kernels(model.dtype, kernels)
+        self.attention = choose(self.kernels, attention)
+
+    @torch.inference_mode()
+    def execute(self, chunks: Sequence[Chunk]) -> Tensor:
+        """Run one step; logits (R, V) at each request's last new token, requests in order."""
+        ids, md = prepare(chunks, self.cache.block_size)
+        with contextlib.nullcontext() if self.kernels else torch_ops():
+            backend = PagedAttention(self.cache.storage, md, self.attention)
+            h = self.model.hidden_states(ids[None], md.positions[None], backend)[0]  # (N, C)
+            rows = h[md.last_rows]  # (R, C): each request's last token
+            if md.num_tokens > 1 and len(rows) == 1:  # one prompt alone: the head runs the batch's product
+                return self.model.logits(F.pad(rows, (0, 0, 0, 1)))[:1]  # kernel, as its row in any batch would
+            return self.model.logits(rows)

@@ -1,0 +1,214 @@
+"""Compiled kernels: the small calls of a decoder layer and its paged attention, in C++.
+
+Between its weight products a layer makes about twenty small torch calls: two norms, RoPE's
+roll/negate/multiply/add, SwiGLU's silu and product, and the attention's gather, scores,
+softmax and value sums. Each is a dispatch, an allocation and a pass over numbers the
+products have just pushed out of the cache. Four loops (`csrc/kernels.cpp`) do the same
+arithmetic in four calls:
+
+    add_rms_norm     x + residual and its RMSNorm, one pass
+    rope_            the q and k heads rotated in place
+    silu_mul         silu(gate) * up
+    paged_attention  each query row over its request's keys, read where they lie in the pool
+
+Each computes a row from that row's numbers only, so a row's result is the same whatever else
+is in the step. `model.ops` and `attention` call them where `enabled()` says so, and run
+torch's ops otherwise; the two roads agree to fp32 rounding.
+
+They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
+per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
+or NANOSERVE_KERNELS=0) `load()` says why, once, and everything runs on torch's ops.
+`python -m nanoserve kernels` builds them ahead of time (`make model` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import platform
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
+
+from ..config import nanoserve_home
+
+SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
+
+_state: dict[str, object] = {}  # "module" once built; "reason" once it cannot be
+_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("nanoserve_kernels", default=True)
+
+
+def build_flags() -> tuple[str, list[str]]:
+    """The extension's name and compiler flags for this CPU: x86 code for the widest vector unit torch
+    dispatches to (AVX-512 or AVX2; the name says which, so a cache shared with another CPU cannot hand
+    it the wrong build), the compiler's baseline elsewhere. Every build does the same arithmetic in the
+    same order, so they give the same bits. -ffp-contract=off keeps a*b+c two roundings, as torch's ops
+    round; -fno-trapping-math lets the loops with min/max vectorize."""
+    flags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+    if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+        flags.append("-fopenmp")  # at::parallel_for splits work over torch's threads only when built with OpenMP
+    capability = ""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        pass
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        if capability == "AVX512":
+            return "nanoserve_kernels_avx512", flags + ["-mavx2", "-mfma", "-mavx512f", "-mavx512vl", "-mavx512dq"]
+        if capability == "AVX2":
+            return "nanoserve_kernels_avx2", flags + ["-mavx2", "-mfma"]
+    return "nanoserve_kernels", flags
+
+
+def build_dir(name: str) -> Path:
+    py = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}"
+
+
+def load(verbose: bool = False) -> ModuleType | None:
+    """The compiled kernels, built on first call; None (with one warning saying why) where they cannot be."""
+    if "module" in _state:
+        return _state["module"]  # type: ignore[return-value]
+    if "reason" in _state:
+        return None
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return _unavailable(f"{DISABLE_ENV}=0", warn=False)
+    try:
+        from torch.utils import cpp_extension
+
+        name, flags = build_flags()
+        folder = build_dir(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
+                                    verbose=verbose)
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
+        return _unavailable(f"{type(e).__name__}: {_gist(str(e))}")
+    _state["module"] = module
+    return module
+
+
+def _gist(message: str) -> str:
+    """A build failure in one line: the compiler's first error if it printed one, else the first line."""
+    lines = [ln.strip() for ln in message.strip().splitlines() if ln.strip()]
+    return next((ln for ln in lines if ": error:" in ln), lines[0] if lines else "no message")
+
+
+def _unavailable(reason: str, warn: bool = True) -> None:
+    _state["reason"] = reason
+    if warn:
+        warnings.warn(f"nanoserve's compiled kernels are unavailable ({reason}); the engine runs on torch ops "
+                      "instead (slower, same tokens)", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why `load()` returned None, or None if it did not (or was not called)."""
+    return _state.get("reason")  # type: ignore[return-value]
+
+
+def enabled() -> bool:
+    """Whether the engine calls the kernels now: they are built, and no `torch_ops()` block is open."""
+    return _enabled.get() and load() is not None
+
+
+@contextlib.contextmanager
+def torch_ops() -> Iterator[None]:
+    """Run the block on torch's own ops instead of the kernels: the readable road, and the A/B baseline."""
+    token = _enabled.set(False)
+    try:
+        yield
+    finally:
+        _enabled.reset(token)
+
+
+def use_kernels(dtype: torch.dtype, want: bool | None = None) -> bool:
+    """Resolve a `kernels=` argument for a model of `dtype`: None means where they can run (fp32, built),
+    True insists (and says why it cannot), False never."""
+    if want is False:
+        return False
+    if dtype != torch.float32:
+        if want:
+            raise ValueError(f"the compiled kernels are fp32 only; this model is {dtype}")
+        return False
+    if load() is None:
+        if want:
+            raise RuntimeError(f"the compiled kernels are unavailable: {unavailable_reason()}")
+        return False
+    return True
+
+
+def fits(*tensors: Tensor) -> bool:
+    """Whether the kernels take these tensors: contiguous fp32 on the CPU, no gradient wanted."""
+    return not torch.is_grad_enabled() and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+# The calls. Each goes through handle_torch_function, as torch's own ops do, so tools that watch torch
+# calls (the Day 12 profiler) see it by name.
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """(x + residual, rms_norm(x + residual) * weight); with residual None, (x, rms_norm(x) * weight)."""
+    args = (x, weight) if residual is None else (x, residual, weight)
+    if has_torch_function(args):
+        return handle_torch_function(add_rms_norm, args, x, residual, weight, eps)
+    return _ext().add_rms_norm(x, residual, weight, eps)
+
+
+def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
+    """Rotate the first `heads` heads of qkv (N, heads_total, D) in place by cos/sin (N, D); returns qkv."""
+    if has_torch_function((qkv, cos, sin)):
+        return handle_torch_function(rope_, (qkv, cos, sin), qkv, cos, sin, heads)
+    _ext().rope_(qkv, cos, sin, heads)
+    return qkv
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """gate_up (..., 2I) -> silu(gate) * up (..., I)."""
+    if has_torch_function((gate_up,)):
+        return handle_torch_function(silu_mul, (gate_up,), gate_up)
+    return _ext().silu_mul(gate_up)
+
+
+def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
+                    block_tables: Tensor, scale: float) -> Tensor:
+    """Each query row over its request's keys in the pool (see `attention.metadata`). q (N, H, D);
+    pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero."""
+    args = (q, k_pool, v_pool, query_start_loc, seq_lens, block_tables)
+    if has_torch_function(args):
+        return handle_torch_function(paged_attention, args, *args, scale)
+    return _ext().paged_attention(q.contiguous(), k_pool, v_pool, query_start_loc, seq_lens, block_tables, scale)
+
+
+def _ext() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the compiled kernels are unavailable: {unavailable_reason()}")
+    return module
+
+
+def cpp_source(name: str) -> str:
+    """One C++ function of `SOURCE`, with the comment above it: what the notebooks show of the kernels."""
+    lines = SOURCE.read_text().splitlines()
+    start = next((i for i, ln in enumerate(lines) if not ln.startswith((" ", "//", "}")) and f" {name}(" in ln), None)
+    if start is None:
+        raise KeyError(f"no function {name!r} in {SOURCE.name}")
+    end = lines.index("}", start)
+    while start > 0 and lines[start - 1].startswith("//"):
+        start -= 1
+    return "\n".join(lines[start: end + 1])
+
+
+def describe() -> str:
+    """What the engine's kernels are on this machine: the build, or why torch's ops run instead."""
+    if load() is None:
+        return f"torch ops ({unavailable_reason()})"
+    name, flags = build_flags()
+    return f"compiled kernels {name} ({' '.join(flags)})"

@@ -1,0 +1,359 @@
+// The glue of a decoder layer and its paged attention, as four loops (nanoserve/kernels/__init__.py says why).
+//
+// Each loop computes one row (or one row's kv head) from that row's numbers only, in the same
+// order whatever the batch, so a row's result never depends on the rows beside it. Loops over a
+// row's C or D numbers keep LANES partial sums, added in a fixed order at the end: the compiler
+// turns them into vector instructions without being allowed to reorder anything itself.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int LANES = 16;
+constexpr int64_t HEADS_AT_ONCE = 16;  // query heads of one kv group whose value sums share each value row's read
+// LANES floats as one value: +, * act lane by lane (one AVX-512 register, two AVX2 ones); aligned(4) lets
+// it load from any float address. Lane j's arithmetic is the same whatever the vector unit.
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
+#if defined(__clang__)
+#define SWAP_LANES(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SWAP_LANES(v, ...) __builtin_shuffle(v, (ivec){__VA_ARGS__})
+#endif
+
+// The sum of v's lanes as a fixed tree: halves, quarters, eighths, pairs. A few vector instructions, and
+// the same bits on any CPU.
+inline float hsum(vec v) {
+  v += SWAP_LANES(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += SWAP_LANES(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += SWAP_LANES(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v += SWAP_LANES(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return v[0];
+}
+
+// a . b as LANES running sums (lane j takes elements j, j + LANES, ...), summed by hsum, then the tail.
+inline float dot(const float* a, const float* b, int64_t n) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(a + i) * *reinterpret_cast<const vec*>(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// e^x in float, to 2 ulp, written so a loop of it vectorizes (std::exp is a library call per number):
+// x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 polynomial (Cephes' expf), 2^n from the exponent bits.
+__attribute__((always_inline)) inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float t = x * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // t rounded to an integer (1.5 * 2^23 trick)
+  float r = x - n * 0.693359375f;                     // ln2 in two parts: r stays exact
+  r = r - n * (-2.12194440e-4f);
+  const float r2 = r * r;
+  const float p = (((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r +
+                    1.6666665459e-1f) * r + 5.0000001201e-1f) * r2 + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// The largest of x[0..n) (n >= 1), LANES at a time: exact, so any order gives the same number.
+inline float max_of(const float* x, int64_t n) {
+  float m = x[0];
+  int64_t i = 0;
+  if (n >= LANES) {
+    vec acc = *reinterpret_cast<const vec*>(x);
+    for (i = LANES; i + LANES <= n; i += LANES) {
+      const vec y = *reinterpret_cast<const vec*>(x + i);
+      acc = acc > y ? acc : y;
+    }
+    for (int j = 0; j < LANES; ++j) m = std::max(m, acc[j]);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// The sum of x[0..n) as LANES running sums added in a fixed order, then the tail: the same bits on any CPU.
+inline float sum_of(const float* x, int64_t n) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(x + i);
+  float s = 0.f;
+  for (int j = 0; j < LANES; ++j) s += acc[j];
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+// The second half of attention for `heads` query heads of one query, whose scores over its n keys are rows
+// of `scores` (row h at scores + h * stride): each row's softmax in place, then out (head h at out + h * D)
+// = sum over keys l, in order, of p[h][l] * value row l of the head's kv head ((h_first + h) / rep), LANES
+// numbers of d at a time. Key l's value slot starts at vd + at[l]; one read of it serves up to
+// HEADS_AT_ONCE heads.
+void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t h_first, int64_t rep, int64_t D,
+                const float* vd, const int64_t* at, float* out) {
+  float inv[HEADS_AT_ONCE];
+  const float* p[HEADS_AT_ONCE];
+  for (int64_t h0 = 0; h0 < heads; h0 += HEADS_AT_ONCE) {
+    const int64_t hn = std::min<int64_t>(HEADS_AT_ONCE, heads - h0);
+    int64_t kv[HEADS_AT_ONCE];
+    for (int64_t h = 0; h < hn; ++h) {
+      float* row = scores + (h0 + h) * stride;
+      const float mx = max_of(row, n);
+      for (int64_t l = 0; l < n; ++l) row[l] = fast_exp(row[l] - mx);
+      inv[h] = 1.0f / sum_of(row, n);
+      p[h] = row;
+      kv[h] = ((h_first + h0 + h) / rep) * D;
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+      const int64_t dn = std::min<int64_t>(LANES, D - d0);
+      if (dn == LANES) {
+        vec acc[HEADS_AT_ONCE] = {};
+        for (int64_t l = 0; l < n; ++l)
+          for (int64_t h = 0; h < hn; ++h) acc[h] += p[h][l] * *reinterpret_cast<const vec*>(vd + at[l] + kv[h] + d0);
+        for (int64_t h = 0; h < hn; ++h) {
+          const vec o = acc[h] * inv[h];
+          for (int j = 0; j < LANES; ++j) out[(h0 + h) * D + d0 + j] = o[j];
+        }
+      } else {  // a head_dim that is not a multiple of LANES: its last piece, number by number
+        for (int64_t h = 0; h < hn; ++h) {
+          float acc[LANES] = {0.f};
+          for (int64_t l = 0; l < n; ++l)
+            for (int64_t j = 0; j < dn; ++j) acc[j] += p[h][l] * vd[at[l] + kv[h] + d0 + j];
+          for (int64_t j = 0; j < dn; ++j) out[(h0 + h) * D + d0 + j] = acc[j] * inv[h];
+        }
+      }
+    }
+  }
+}
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32, name, ": expected a float32 CPU tensor, got ",
+              t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+}  // namespace
+
+// (x + residual, rms_norm(x + residual) * weight) over the last dim; residual may be None (then x as is).
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps) {
+  check_f32(x, "x");
+  check_f32(weight, "weight");
+  const int64_t C = x.size(-1), N = x.numel() / C;
+  TORCH_CHECK(weight.numel() == C, "weight: expected ", C, " numbers, got ", weight.numel());
+  torch::Tensor out = x;
+  if (residual.has_value()) {
+    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "residual: shape ", residual->sizes(), " is not x's ", x.sizes());
+    out = torch::empty_like(x);
+  }
+  auto h = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  for (int64_t i = 0; i < N; ++i) {
+    float* o = op + i * C;
+    if (rp) {
+      const float* a = xp + i * C;
+      const float* b = rp + i * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = a[c] + b[c];
+    }
+    const float inv = 1.0f / std::sqrt(dot(o, o, C) / static_cast<float>(C) + feps);
+    float* hi = hp + i * C;
+    for (int64_t c = 0; c < C; ++c) hi[c] = (o[c] * inv) * wp[c];
+  }
+  return {out, h};
+}
+
+// Rotate the first `heads` heads of qkv (N, heads_total, D) in place by each token's cos/sin (N, D):
+// the pairs (x_i, x_{i+D/2}), as apply_rope does.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t D = qkv.size(-1), HT = qkv.size(-2), N = qkv.numel() / (HT * D), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim ", D, ": expected an even number up to 512");
+  TORCH_CHECK(0 <= heads && heads <= HT, "heads ", heads, " out of 0..", HT);
+  TORCH_CHECK(cos.numel() == N * D && sin.numel() == N * D, "cos/sin: expected ", N, " x ", D, " numbers");
+  float* p = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float rotated[512];
+  for (int64_t i = 0; i < N; ++i) {
+    const float* c = cp + i * D;
+    const float* s = sp + i * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = p + (i * HT + h) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        rotated[d] = x[d] * c[d] - x[d + half] * s[d];
+        rotated[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+      }
+      std::copy(rotated, rotated + D, x);
+    }
+  }
+}
+
+// SwiGLU's middle: gate_up (..., 2I) -> silu(gate) * up (..., I).
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  const int64_t I2 = gate_up.size(-1), I = I2 / 2, N = gate_up.numel() / I2;
+  TORCH_CHECK(I2 % 2 == 0, "gate_up: last dim ", I2, " is not even");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* gi = g + i * I2;
+      const float* ui = gi + I;
+      float* oi = o + i * I;
+      for (int64_t c = 0; c < I; ++c) {
+        const float x = gi[c];
+        oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
+      }
+    }
+  });
+  return out;
+}
+
+// Attention of a step's query tokens over their requests' keys, read where they lie in the paged pool:
+// no gather, no mask. A step is a flat list of N query rows from R requests; request r owns rows
+// query_start_loc[r] .. query_start_loc[r+1]-1, the last T_r of its seq_lens[r] tokens (a whole prompt,
+// a chunk after cached context, or one decode token). Its query i sits at position seq_lens[r] - T_r + i
+// and attends over keys 0..that position, key l in block block_tables[r][l / block_size]. Rows past
+// query_start_loc[R] are padding and come out zero.
+// q (N, H, D); k_pool/v_pool (blocks, block_size, K, D); query_start_loc (R+1,), seq_lens (R,),
+// block_tables (R, W): int64. Returns (N, H*D).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                              double scale) {
+  check_f32(q, "q");
+  check_f32(k_pool, "k_pool");
+  check_f32(v_pool, "v_pool");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
+              "expected q (N, H, D) and k/v pools (blocks, block_size, K, D) of one shape");
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t NB = k_pool.size(0), BS = k_pool.size(1), K = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == D && K > 0 && H % K == 0, "pool heads/dims (", K, ", ", k_pool.size(3),
+              ") do not fit q's (", H, ", ", D, ")");
+  const int64_t R = seq_lens.numel();
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(), "seq_lens: expected contiguous int64");
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt64 && query_start_loc.numel() == R + 1 &&
+                  query_start_loc.is_contiguous(), "query_start_loc: expected ", R + 1, " contiguous int64");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.size(0) == R &&
+                  block_tables.is_contiguous(), "block_tables: expected contiguous int64 (", R, ", W)");
+  const int64_t W = block_tables.size(1), rep = H / K;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
+  constexpr int64_t TILE = 16;  // queries of one request handled by one task
+  std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query)
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t T = qsl[r + 1] - qsl[r];
+    TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
+    TORCH_CHECK(lens[r] >= T && lens[r] <= W * BS, "request ", r, ": sequence length ", lens[r], " outside ", T,
+                "..", W * BS, " (its ", T, " queries; its table's ", W, " blocks of ", BS, ")");
+    for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
+      TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
+                  " is not in the pool of ", NB);
+    for (int64_t i = 0; i < T; i += TILE) tiles.push_back({r, i, std::min(T, i + TILE)});
+  }
+  // at::parallel_for hands each thread one contiguous run of tasks; a tile's work grows with its keys, so
+  // deal the tiles heaviest, lightest, next heaviest, ... to give every run a like share.
+  std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
+    return lens[a[0]] - (qsl[a[0] + 1] - qsl[a[0]]) + a[2] > lens[b[0]] - (qsl[b[0] + 1] - qsl[b[0]]) + b[2];
+  });
+  std::vector<std::array<int64_t, 3>> dealt;
+  for (size_t lo = 0, hi = tiles.size(); lo < hi;) {
+    dealt.push_back(tiles[lo++]);
+    if (lo < hi) dealt.push_back(tiles[--hi]);
+  }
+  tiles.swap(dealt);
+  auto out = torch::zeros({N, H * D}, q.options());
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k_pool.data_ptr<float>();
+  const float* vd = v_pool.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // A task is a tile and all its kv heads (each key slot holds every kv head's numbers side by side: read
+  // once), unless there are too few tiles to keep every thread busy: then a tile and one kv head. Either
+  // way every (query, head) row is computed by the same loops in the same order.
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size());
+  const bool per_head = n_tiles < 4 * at::get_num_threads();
+  at::parallel_for(0, per_head ? n_tiles * K : n_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, kt(D * LANES);
+    std::vector<int64_t> at;  // where key l's slot starts in the pool (every kv head's numbers, side by side)
+    for (int64_t task = begin; task < end; ++task) {
+      const auto& tile = tiles[per_head ? task / K : task];
+      const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
+      const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
+      const int64_t* table = tables + r * W;
+      const int64_t first = lens[r] - T;            // keys before the request's first query
+      const int64_t n_max = first + i1;             // keys the tile's last query sees
+      at.resize(n_max);
+      for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
+      if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
+        const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
+        scores.resize(heads * n_max);
+        for (int64_t l = 0; l < n_max; ++l) {
+          for (int64_t h = 0; h < heads; ++h) {
+            const float* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
+            scores[h * n_max + l] = dot(qd + (row * H + h_first + h) * D, k, D) * fscale;
+          }
+        }
+        value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
+        continue;
+      }
+      const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
+      scores.resize(rows * n_max);
+      for (int64_t g = g0; g < g1; ++g) {
+        // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
+        // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
+        for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
+          const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
+          for (int64_t j = 0; j < kn; ++j) {
+            const float* k = kd + at[l0 + j] + g * D;
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = k[d];
+          }
+          for (int64_t j = kn; j < LANES; ++j)
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t n = first + i + 1;
+            if (n <= l0) continue;
+            for (int64_t h = 0; h < rep; ++h) {
+              const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
+              vec acc = {};
+              for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
+              acc *= fscale;
+              float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
+              const int64_t m = std::min<int64_t>(kn, n - l0);
+              for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
+            }
+          }
+        }
+        for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
+          value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
+                     od + ((qsl[r] + i) * H + g * rep) * D);
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
+  m.def("rope_", &rope_, "rotate the first heads of qkv in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys");
+}

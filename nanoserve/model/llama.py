@@ -1,0 +1,214 @@
+"""The Llama decoder, written to be read (Days 03-07).
+
+One forward pass: token ids -> embeddings -> n_layers x (RMSNorm, attention with
+rotary positions and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> logits.
+
+Where the keys and values go is not this module's business. Attention calls a
+*KV backend* with the rotated q, k, v of the current tokens; the backend writes
+k and v wherever it keeps them (nowhere, a contiguous cache, a paged pool) and
+returns the attention output. The model is the same on every engine path; only
+the backend changes. `causal_attention` below is the no-cache backend.
+
+The layer's small operations live in `ops` (and run compiled where they can), the
+weight products in `matmul`.
+
+Shapes: B batch, T new tokens, H query heads, K kv heads, D head_dim, C hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .matmul import PACK_ROWS, forward_rows, linear, linear_weight, pack
+from .ops import add_rms_norm, rope_cos_sin, rope_frequencies, rope_qk, silu_mul
+
+
+class KVBackend(Protocol):
+    """Where attention reads and writes K/V. Called once per layer per forward."""
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q (B, T, H, D), k/v (B, T, K, D), already rotated -> output (B, T, H*D)."""
+        ...
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
+    """Attention of T queries over the same T keys, causal, grouped-query.
+
+    q (B, T, H, D), k/v (B, T, K, D); key_mask (B, T) bool marks real (not padding) keys.
+    Returns (B, T, H*D).
+    """
+    B, T, H, D = q.shape
+    qh = q.transpose(1, 2)  # (B, H, T, D)
+    kh = k.transpose(1, 2)  # (B, K, T, D)
+    vh = v.transpose(1, 2)
+    mask = None
+    if key_mask is not None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        mask = causal[None] & key_mask[:, None, :]  # (B, T, T)
+        # a padding query would see no key at all; let it see itself so softmax stays finite
+        mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)[None]
+        mask = mask[:, None]  # (B, 1, T, T)
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )  # (B, H, T, D)
+    return out.transpose(1, 2).reshape(B, T, H * D)
+
+
+def no_cache_backend(key_mask: Tensor | None = None) -> KVBackend:
+    """The backend with no memory: each forward attends over exactly its own tokens."""
+    return lambda layer, q, k, v: causal_attention(q, k, v, key_mask)
+
+
+class Block(nn.Module):
+    """One decoder layer: two residual sublayers, attention then the MLP, each reading the normed stream.
+    q/k/v and gate/up are each one fused matrix: one read of the weights."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        C, D = cfg.hidden_size, cfg.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(C))
+        self.wqkv = linear_weight((cfg.n_heads + 2 * cfg.n_kv_heads) * D, C)  # (out, in)
+        self.wo = linear_weight(C, cfg.n_heads * D)
+        self.mlp_norm = nn.Parameter(torch.ones(C))
+        self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
+        self.w_down = linear_weight(C, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
+        """x (B, T, C) -> (B, T, C): x + attention(norm(x)), then that + mlp(norm(that))."""
+        eps = self.cfg.rms_norm_eps
+        x, h = add_rms_norm(x, None, self.attn_norm, eps)
+        x, h = add_rms_norm(x, self.attention(h, cos, sin, layer, kv), self.mlp_norm, eps)
+        return x + self.mlp(h)
+
+    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
+        """What attention adds to the stream: q, k, v from one product, RoPE on q and k, the
+        backend's attention, the output projection. h (B, T, C) normed; cos/sin (B, T, 1, D)."""
+        cfg = self.cfg
+        B, T, _ = h.shape
+        H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        qkv = linear(h, self.wqkv).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
+        q, k, v = rope_qk(qkv, cos, sin, H, K)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
+        return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo)
+
+    def mlp(self, h: Tensor) -> Tensor:
+        """What the MLP adds: SwiGLU, silu(gate) * up from one product, projected back down. h (B, T, C)."""
+        return linear(silu_mul(linear(h, self.w_gate_up)), self.w_down)
+
+
+class Llama(nn.Module):
+    """Token ids and their positions in, next-token logits out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        V, C = cfg.vocab_size, cfg.hidden_size
+        # Tied: one (V, C) matrix is both the embedding table and the LM head. It is stored for the
+        # head, [in, out] like every other linear weight: the head streams all of it per decoded
+        # token, while an embedding lookup reads one row per token, strided or not.
+        self.embed = linear_weight(V, C) if cfg.tie_word_embeddings else nn.Parameter(torch.empty(V, C))
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.ones(C))
+        self.lm_head = self.embed if cfg.tie_word_embeddings else linear_weight(V, C)
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
+        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin (P, D), grown on demand
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos/sin (B, T, 1, D) for integer positions, looked up in a table computed once.
+
+        The table holds exactly what `rope_cos_sin` computes, so cached and uncached paths agree
+        bit for bit; it grows (doubling) when a position beyond it is asked for.
+        """
+        lo, hi = (int(p) for p in torch.aminmax(positions))
+        if lo < 0:  # not a table index: compute directly
+            cos, sin = rope_cos_sin(self.inv_freq, positions)
+            return cos.to(self.dtype), sin.to(self.dtype)
+        table = self._rope_table
+        if table is None or table[0].shape[0] <= hi or table[0].dtype != self.dtype \
+                or table[0].device != positions.device:
+            size = max(256, 1 << hi.bit_length())
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=positions.device)[None])
+            table = self._rope_table = (cos[0, :, 0].to(self.dtype), sin[0, :, 0].to(self.dtype))  # (P, D)
+        return table[0][positions][:, :, None], table[1][positions][:, :, None]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def hidden_states(
+        self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+        on_layer: Callable[[int, Tensor], None] | None = None,
+    ) -> Tensor:
+        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream."""
+        if ids.dim() == 1:
+            ids = ids[None]
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        kv = kv or no_cache_backend()
+        cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
+        x = F.embedding(ids, self.embed)  # (B, T, C)
+        for i, block in enumerate(self.layers):
+            x = block(x, cos, sin, i, kv)
+            if on_layer is not None:
+                on_layer(i, x)
+        return add_rms_norm(x, None, self.norm, self.cfg.rms_norm_eps)[1]
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The LM head: final hidden states h (..., C) -> fp32 logits (..., V). Two or more rows run
+        as forward_rows(n) (zero rows added): one product kernel for every row, whatever the count."""
+        rows = h.reshape(-1, h.shape[-1])  # (n, C)
+        n = rows.shape[0]
+        rows = F.pad(rows, (0, 0, 0, forward_rows(n) - n))
+        return linear(rows, self.lm_head)[:n].float().view(*h.shape[:-1], -1)
+
+    def forward(
+        self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+        last_only: bool = False, logit_index: Tensor | None = None,
+    ) -> Tensor:
+        """Logits (B, T, V); with `last_only` just the last position (B, V); with `logit_index` (B,)
+        the position each row wants (B, V). Computing only the needed rows skips most of the LM head."""
+        h = self.hidden_states(ids, positions, kv)
+        if logit_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logit_index]
+        elif last_only:
+            h = h[:, -1]
+        return self.logits(h)
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:
+        """Random weights with sensible scale: for unit tests and shape experiments."""
+        g = torch.Generator().manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
+        return model.to(dtype).eval()
+
+    def pack_weights(self, rows: int = PACK_ROWS) -> int:
+        """Give every matrix a oneDNN-blocked copy (`pack`): faster products of two or more rows (prefill,
+        batches), for the memory of the weights once more. Returns the bytes added (0 without oneDNN)."""
+        mats = {id(w): w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)}
+        mats[id(self.lm_head)] = self.lm_head
+        return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must stream: every parameter once (tied embeddings once, no copies).
+
+        Exact for tied models (the head reads the whole table, the lookup one row of it); an untied
+        model's input table is counted too, although a step reads only one row of it.
+        """
+        return sum(p.numel() * p.element_size() for p in self.parameters())

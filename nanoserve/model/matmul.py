@@ -1,0 +1,141 @@
+"""The weight products on a CPU: which kernel multiplies x by a weight, and why (Day 11).
+
+Every matrix is stored [in, out] (`linear_weight`): the same (out, in) tensor F.linear
+expects, transposed in memory. `linear(x, w)` then takes one of three roads:
+
+- one row (a batch-1 decode step): a matrix-vector product is bound by how fast w streams
+  from memory, and x @ w.T = sum_i x[i] * w.T[i] is a weighted sum of w's contiguous rows.
+  F.embedding_bag computes exactly that (`bag_linear`); one batched product of row slices
+  is the same sum (`bmm_linear`). `ONE_ROW` picks the faster per CPU. Both add the rows in
+  bags and sum the partial sums, which rounds less than one long running sum: batch 1 is
+  where logits are held closest to the reference.
+- two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
+  the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
+  each row the same bits however many rows the call has (batching relies on that).
+- anything else (gradients on, other dtypes, no oneDNN): F.linear.
+
+`python -m nanoserve bench layout` times the candidates on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import handle_torch_function, has_torch_function
+
+
+def linear_weight(out_features: int, in_features: int) -> nn.Parameter:
+    """An (out, in) weight, as F.linear expects, laid out in memory as its transpose (in, out):
+    `w.t()` is the contiguous tensor, so one row of x reads w as one front-to-back stream."""
+    return nn.Parameter(torch.empty(in_features, out_features).t())
+
+
+def _has_onednn() -> bool:
+    """Whether this torch build carries oneDNN's linear (x86 and most ARM builds do)."""
+    try:
+        return torch.backends.mkldnn.is_available() and all(
+            hasattr(torch.ops.mkldnn, op) for op in ("_linear_pointwise", "_reorder_linear_weight"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def one_row_road() -> str:
+    """How `linear` multiplies one row on this CPU: "bag" on AMD CPUs with AVX-512, where embedding_bag
+    streamed fastest, "bmm" elsewhere (AVX2 CPUs, Intel's AVX-512 ones), where one batched product did.
+    `python -m nanoserve bench layout` measures both on the machine at hand."""
+    try:
+        capability = torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "bag"
+    try:
+        amd = "AuthenticAMD" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        amd = False
+    return "bag" if capability == "AVX512" and amd else "bmm"
+
+
+ONEDNN = _has_onednn()
+ONE_ROW = one_row_road()
+BAG_ROWS = 16  # rows per partial sum of the bag road (at least): the rounding is best near 16
+PARTIAL_SUMS = 1 << 19  # at most this many partial-sum floats (2 MB): only the LM head needs bigger bags
+BMM_ROWS = 32  # rows per slice of the bmm road (it divides the model's in-features: 576, 1536)
+PACK_ROWS = 32  # the row count oneDNN blocks a packed weight for; calls of any other count read it too
+ROW_MULTIPLE = 4
+"""Products of two or more rows run a multiple of this many (zero rows added). oneDNN gives a row
+the same bits for any count; MKL's F.linear (the fallback) only when the count is a multiple of 4."""
+
+
+def forward_rows(n: int) -> int:
+    """Rows a product of n rows runs: one row alone (its own road), else n rounded up to ROW_MULTIPLE."""
+    return 1 if n == 1 else -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+@functools.lru_cache(maxsize=32)
+def _bags(n_in: int, n_out: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row indices 0..n_in-1 and the offsets that cut them into bags. Made once per shape, outside
+    inference mode so that autograd may save them when a caller records gradients."""
+    rows_per_bag = max(BAG_ROWS, -(-n_in * n_out // PARTIAL_SUMS))
+    with torch.inference_mode(False):
+        return torch.arange(n_in, device=device), torch.arange(0, n_in, rows_per_bag, device=device)
+
+
+def bag_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for ONE row x and a weight stored [in, out]: the weighted sum of w.T's rows,
+    summed by F.embedding_bag in bags of BAG_ROWS (or more) and the bags' partial sums added."""
+    n_out, n_in = w.shape
+    rows, offsets = _bags(n_in, n_out, x.device)
+    partial = F.embedding_bag(rows, w.t(), offsets, mode="sum", per_sample_weights=x.reshape(n_in))
+    return partial.sum(0).view(*x.shape[:-1], n_out)  # partial: (bags, out)
+
+
+def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
+    """The same sum as `bag_linear` as one batched product: w.T's rows in slices of BMM_ROWS, each
+    slice times its piece of x, then the slices' partial sums added. Needs n_in % BMM_ROWS == 0."""
+    n_out, n_in = w.shape
+    slices = n_in // BMM_ROWS
+    partial = torch.bmm(x.reshape(slices, 1, BMM_ROWS), w.t().view(slices, BMM_ROWS, n_out))  # (slices, 1, out)
+    return partial.sum(0).view(*x.shape[:-1], n_out)
+
+
+def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
+    """Keep a copy of w in oneDNN's blocked layout beside it (an attribute of w), for `linear` to
+    read; False where there is no oneDNN or w is not an fp32 CPU matrix. The copy costs w's bytes
+    again, and is ignored once w is written (its version moves on): it never serves stale weights."""
+    if not (ONEDNN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
+        return False  # (an inference tensor keeps no version: a write to it could not be seen)
+    with torch.inference_mode(False), torch.no_grad():
+        blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    w._nanoserve_packed = (w._version, blocked)
+    return True
+
+
+def packed(w: Tensor) -> Tensor | None:
+    """w's blocked copy, if it has a current one."""
+    entry = getattr(w, "_nanoserve_packed", None)
+    return entry[1] if entry is not None and entry[0] == w._version else None
+
+
+def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T through oneDNN's product (torch's bundled mkldnn), on w's packed copy if it has one.
+    Routed through handle_torch_function so tools that watch torch calls see the product and its weight."""
+    if has_torch_function((x, w)):
+        return handle_torch_function(onednn_linear, (x, w), x, w)
+    wp = packed(w)
+    return torch.ops.mkldnn._linear_pointwise(x, w if wp is None else wp, None, "none", [], "")
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc)."""
+    n_out, n_in = w.shape
+    if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
+        if x.numel() == n_in:
+            if ONE_ROW == "bmm" and n_in % BMM_ROWS == 0:
+                return bmm_linear(x, w)
+            return bag_linear(x, w)
+        if ONEDNN and not torch.is_grad_enabled():
+            return onednn_linear(x, w)
+    return F.linear(x, w)

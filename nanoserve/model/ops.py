@@ -1,0 +1,93 @@
+"""The small operations of a decoder layer: RMSNorm, rotary positions, SwiGLU (Days 03, 04, 06).
+
+Each is first written as its definition in torch (`rms_norm`, `apply_rope`), the form the
+notebooks read and check against the reference library. The layer itself calls the step
+forms (`add_rms_norm`, `rope_qk`, `silu_mul`): the same arithmetic, run by the compiled
+kernels where `kernels.enabled()` and the tensors fit (fp32 on the CPU, no gradients), and by
+exactly those torch definitions otherwise. `kernels.torch_ops()` forces the torch road.
+
+Shapes: B batch, T tokens, H query heads, K kv heads, D head_dim, C hidden, I intermediate.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import kernels
+from ..config import ModelConfig
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / rms(x) * weight, computed in fp32 like the reference (bf16 inputs are upcast first)."""
+    if x.dtype == torch.float32:  # torch's rms_norm computes exactly this, bit for bit, in fewer ops
+        return F.rms_norm(x, weight.shape, weight, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual stream's step: (x + residual, its rms_norm); with residual None, (x, rms_norm(x))."""
+    if kernels.enabled() and kernels.fits(x, weight, *([] if residual is None else [residual])):
+        return kernels.add_rms_norm(x, residual, weight, eps)
+    if residual is not None:
+        x = x + residual
+    return x, rms_norm(x, weight, eps)
+
+
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """The D/2 rotation speeds theta^(-2i/D), with llama3 frequency scaling when configured."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    rs = cfg.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for integer positions (B, T) -> each (B, T, 1, D)."""
+    angles = positions.float()[..., None] * inv_freq  # (B, T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (B, T, D): HF's rotate_half layout
+    return angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each pair (x_i, x_{i+D/2}) by its position's angle. x (B, T, heads, D)."""
+    half = x.shape[-1] // 2
+    rotated = x.roll(half, dims=-1)  # (x_{i+D/2}, x_i): the pairs swapped ...
+    rotated[..., :half].neg_()  # ... and the first half negated: HF's rotate_half
+    return x * cos + rotated * sin
+
+
+def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Split qkv (B, T, H + 2K, D) into q (B, T, H, D), k, v (B, T, K, D), with q and k rotated
+    (one call for both). The compiled road rotates them in qkv's own memory."""
+    H, K = n_heads, n_kv_heads
+    B, T, _, D = qkv.shape
+    if kernels.enabled() and kernels.fits(qkv, cos, sin):
+        kernels.rope_(qkv.view(B * T, H + 2 * K, D), cos.reshape(B * T, D), sin.reshape(B * T, D), H + K)
+        return qkv.split([H, K, K], dim=2)
+    q, k = apply_rope(qkv[:, :, : H + K], cos, sin).split([H, K], dim=2)
+    return q, k, qkv[:, :, H + K:]
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """SwiGLU's middle: gate_up (..., 2I), the gate and up projections side by side -> silu(gate) * up (..., I)."""
+    if kernels.enabled() and kernels.fits(gate_up):
+        return kernels.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

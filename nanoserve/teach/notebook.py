@@ -1,0 +1,34 @@
+"""Small helpers the notebooks share: show the package's own source, print the machine."""
+
+from __future__ import annotations
+
+import inspect
+
+
+def show_source(obj: object) -> None:
+    """Print an object's source from the package: the notebook never keeps a second copy."""
+    _show(inspect.getsource(obj), "python")  # type: ignore[arg-type]
+
+
+def show_cpp(name: str) -> None:
+    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`)."""
+    from ..kernels import cpp_source
+
+    _show(cpp_source(name), "cpp")
+
+
+def _show(src: str, language: str) -> None:
+    """Source as a highlighted block in a notebook, as plain text elsewhere."""
+    try:
+        from IPython.display import Markdown, display
+
+        display(Markdown(f"```{language}\n{src}\n```"))
+    except ImportError:
+        print(src)
+
+
+def machine_info() -> str:
+    """One line about the versions and the machine, for the first cell of every day."""
+    from ..bench.machine import machine_line
+
+    return machine_line()

@@ -1,0 +1,138 @@
+"""The model runner on the tiny model: one step of any mix of requests gives each request the logits of
+its own sequence, and the same bits whatever else is in a step of two or more tokens (hypothesis)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from nanoserve.attention import Chunk, PagedAttention, prepare
+from nanoserve.engine import ModelRunner
+from nanoserve.kv import PagedKVCache
+
+KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> ModelRunner's kernels=
+
+
+def ids_of(n: int, seed: int, vocab: int = 256) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_runner_roads(tiny_model, road):
+    cache = PagedKVCache(tiny_model.cfg, 4, 4)
+    runner = ModelRunner(tiny_model, cache, KERNELS[road])
+    assert (runner.kernels, runner.attention) == ((True, "compiled") if road == "compiled" else (False, "torch"))
+    assert ModelRunner(tiny_model, cache, KERNELS[road], attention="reference").attention == "reference"
+
+
+def test_a_mixed_step_gives_each_request_its_own_sequences_logits(tiny_model, road):
+    """A prompt, a chunk after cached context and a decode token in one step: each request's logits are
+    those of the model's no-cache forward over its whole sequence, to fp32 rounding."""
+    cache = PagedKVCache(tiny_model.cfg, num_blocks=32, block_size=4)
+    runner = ModelRunner(tiny_model, cache, KERNELS[road])
+    seqs = [ids_of(9, 1), ids_of(14, 2), ids_of(6, 3)]
+    cached = [0, 8, 5]  # request 0 is a whole prompt, 1 a chunk of 6 after 8, 2 one decode token after 5
+    tables = [cache.new_table() for _ in seqs]
+    for t, s, c in zip(tables, seqs, cached):
+        if c:
+            cache.append(t, s[:c])
+            runner.execute([Chunk(s[:c], 0, t.blocks)])
+    chunks = []
+    for t, s, c in zip(tables, seqs, cached):
+        cache.append(t, s[c:])
+        chunks.append(Chunk(s[c:], c, t.blocks))
+    logits = runner.execute(chunks)
+    assert logits.shape == (3, tiny_model.cfg.vocab_size) and logits.dtype == torch.float32
+    with torch.inference_mode():
+        for r, s in enumerate(seqs):
+            want = tiny_model(torch.tensor([s]), last_only=True)[0]
+            torch.testing.assert_close(logits[r], want, atol=2e-5, rtol=0)
+
+
+def test_padding_rows_stay_finite_and_write_nowhere(tiny_model, road):
+    cache = PagedKVCache(tiny_model.cfg, num_blocks=8, block_size=4)
+    tables = [cache.new_table() for _ in range(3)]
+    chunks = []
+    for t, n in zip(tables, (3, 1, 5)):
+        cache.append(t, ids_of(n, n))
+        chunks.append(Chunk(t.token_ids, 0, t.blocks))
+    ids, md = prepare(chunks, 4)
+    assert ids.numel() == 12 and md.num_tokens == 9  # three padding rows
+    backend = PagedAttention(cache.storage, md, ModelRunner(tiny_model, cache, KERNELS[road]).attention)
+    with torch.inference_mode():
+        h = tiny_model.hidden_states(ids[None], md.positions[None], backend)[0]
+    assert torch.isfinite(h).all()
+    written = (cache.k.abs().sum((0, 3, 4)) != 0).view(-1)  # slots written, any layer
+    assert written.nonzero().view(-1).tolist() == sorted(md.slot_mapping.tolist())
+
+
+# ---- batch invariance through the whole model ---------------------------------------------------------
+
+request_st = st.tuples(st.integers(0, 30), st.integers(1, 12))  # (cached context, new tokens)
+decode_st = st.tuples(st.integers(1, 40), st.just(1))
+others_st = st.lists(st.one_of(request_st, decode_st), min_size=0, max_size=3)
+
+
+class Composition:
+    """A step of `target` among `others`, on one pool. The target's cached context is computed once (in
+    `context`) and shared by fork, so its K/V are the same bits in every composition; the others'
+    contexts are computed in their own steps first."""
+
+    def __init__(self, model, kernels, block_size, target_ids, target_ctx):
+        self.model, self.bs = model, block_size
+        self.cache = PagedKVCache(model.cfg, 200, block_size)
+        self.runner = ModelRunner(model, self.cache, kernels)
+        self.target_ids, self.target_ctx = target_ids, target_ctx
+        self.context = self.cache.new_table()
+        if target_ctx:
+            self.cache.append(self.context, target_ids[:target_ctx])
+            self.runner.execute([Chunk(target_ids[:target_ctx], 0, self.context.blocks)])
+
+    def target_logits(self, others, where, seed):
+        tables, chunks = [], []
+        for i, (ctx, n) in enumerate(others):
+            ids = ids_of(ctx + n, seed + i)
+            t = self.cache.new_table()
+            if ctx:
+                self.cache.append(t, ids[:ctx])
+                self.runner.execute([Chunk(ids[:ctx], 0, t.blocks)])
+            self.cache.append(t, ids[ctx:])
+            tables.append(t)
+            chunks.append(Chunk(ids[ctx:], ctx, t.blocks))
+        mine = self.cache.fork(self.context)
+        self.cache.append(mine, self.target_ids[self.target_ctx:])
+        chunks.insert(where, Chunk(self.target_ids[self.target_ctx:], self.target_ctx, mine.blocks))
+        logits = self.runner.execute(chunks)[where]
+        for t in (*tables, mine):
+            self.cache.free(t)
+        return logits
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(target=st.one_of(request_st, decode_st), others=st.tuples(others_st, others_st),
+       where=st.tuples(st.integers(0, 3), st.integers(0, 3)), block_size=st.sampled_from([1, 4, 16]),
+       seed=st.integers(0, 2**16))
+def test_a_requests_logits_are_bit_identical_whatever_else_is_in_the_step(tiny_model, road, target, others, where,
+                                                                           block_size, seed):
+    """Two steps with the same request among different others (or alone), each of two or more tokens: a
+    step of one token (one sequence's decode) takes the one-row road and may differ by rounding."""
+    ctx, n = target
+    assume(all(n + sum(t for _, t in o) >= 2 for o in others))
+    run = Composition(tiny_model, KERNELS[road], block_size, ids_of(ctx + n, seed), ctx)
+    a = run.target_logits(others[0], min(where[0], len(others[0])), seed + 100)
+    b = run.target_logits(others[1], min(where[1], len(others[1])), seed + 200)
+    assert torch.equal(a, b)
+    run.cache.free(run.context)
+    run.cache.pool.check()
+    assert run.cache.pool.num_used == 0
+
+
+
+def test_a_prompt_alone_is_the_same_bits_as_in_a_batch_and_one_token_alone_the_same_to_rounding(tiny_model, road):
+    ids = ids_of(9, 4)
+    run = Composition(tiny_model, KERNELS[road], 4, ids, 0)
+    alone, beside = run.target_logits([], 0, 1), run.target_logits([(3, 2), (0, 5)], 1, 2)
+    assert torch.equal(alone, beside)
+    run = Composition(tiny_model, KERNELS[road], 4, ids, 8)
+    alone, beside = run.target_logits([], 0, 1), run.target_logits([(3, 1)], 0, 2)
+    torch.testing.assert_close(alone, beside, atol=1e-5, rtol=0)

@@ -1,0 +1,185 @@
+"""The weight products: every road of `linear` against F.linear and fp64, batch invariance of products of
+two or more rows, the [in, out] layout, and oneDNN's packed copies."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import ModelConfig
+from nanoserve.model import Llama, linear, linear_weight
+from nanoserve.model import matmul as mm
+from nanoserve.model.weights import load_model, save_checkpoint
+
+
+def random_linear_weight(n_out: int, n_in: int, g: torch.Generator) -> torch.nn.Parameter:
+    """A model-layout weight ((out, in) shape, [in, out] memory) with values of a trained layer's scale."""
+    w = linear_weight(n_out, n_in)
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=g) / n_in**0.5)
+    return w
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
+def test_linear_agrees_with_f_linear_on_every_road(shape):
+    """One row (the bag or bmm), several rows (oneDNN when present), gradients on (F.linear)."""
+    g = torch.Generator().manual_seed(0)
+    w = random_linear_weight(*shape, g)
+    x = torch.randn(2, 9, shape[1], generator=g)
+    ref = F.linear(x.double(), w.double())
+    with torch.inference_mode():
+        for rows in (x[:1, :1], x[:1], x):
+            torch.testing.assert_close(linear(rows, w).double(), ref[: rows.shape[0], : rows.shape[1]],
+                                       atol=1e-5, rtol=1e-5)
+    y = linear(x, w)  # gradients on: F.linear, which has a backward
+    y.sum().backward()
+    assert w.grad is not None and w.grad.shape == w.shape
+
+
+@pytest.mark.parametrize("road", ["bag", "bmm"])
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (49152, 576)])
+def test_bothone_row_roads_agree_with_fp64(road, shape):
+    """Whichever road this CPU picks (matmul.ONE_ROW), both must be right on every machine: summed in
+    small partial sums, both stay within 1.5e-6 of fp64 on outputs of order 1 to 4."""
+    g = torch.Generator().manual_seed(3)
+    w = random_linear_weight(*shape, g)
+    x = torch.randn(1, 1, shape[1], generator=g)
+    ref = F.linear(x.double(), w.double())
+    with torch.inference_mode():
+        y = (mm.bag_linear if road == "bag" else mm.bmm_linear)(x, w)
+    assert y.shape == (1, 1, shape[0]) and y.dtype == torch.float32
+    assert (y.double() - ref).abs().max().item() < 1.5e-6
+
+
+def testone_row_road_is_chosen_per_cpu():
+    assert mm.ONE_ROW in ("bag", "bmm")
+    g = torch.Generator().manual_seed(6)
+    w = random_linear_weight(64, 576, g)
+    x = torch.randn(1, 576, generator=g)
+    with torch.inference_mode():
+        want = mm.bmm_linear(x, w) if mm.ONE_ROW == "bmm" else mm.bag_linear(x, w)
+        assert torch.equal(linear(x, w), want)
+
+
+def test_one_row_bmm_road_falls_back_to_the_bag_when_slices_do_not_fit(monkeypatch):
+    """bmm needs in-features divisible by BMM_ROWS; another width takes the bag, with the same answer."""
+    g = torch.Generator().manual_seed(4)
+    w = random_linear_weight(64, 100, g)
+    x = torch.randn(1, 100, generator=g)
+    monkeypatch.setattr(mm, "ONE_ROW", "bmm")
+    with torch.inference_mode():
+        assert torch.equal(mm.linear(x, w), mm.bag_linear(x, w))
+
+
+def test_linear_rows_do_not_depend_on_the_other_rows():
+    """Batch invariance: a row's product is bit-identical whatever else is in the call, for every call of
+    ROW_MULTIPLE-multiple rows (both kernels), and for any 2+ rows under oneDNN."""
+    g = torch.Generator().manual_seed(1)
+    w = random_linear_weight(3072, 576, g)
+    x = torch.randn(32, 576, generator=g)
+    with torch.inference_mode():
+        full = linear(x, w)
+        sizes = range(2, 33) if mm.ONEDNN else range(mm.ROW_MULTIPLE, 33, mm.ROW_MULTIPLE)
+        for m in sizes:
+            assert torch.equal(linear(x[:m], w), full[:m]), m
+        perm = torch.randperm(32, generator=g)
+        assert torch.equal(linear(x[perm], w), full[perm])
+
+
+def test_forward_rows_rounds_batches_up_but_leaves_one_alone():
+    assert [mm.forward_rows(b) for b in (1, 2, 3, 4, 5, 8, 9, 32)] == [1, 4, 4, 4, 8, 8, 12, 32]
+    assert mm.ROW_MULTIPLE == 4
+
+
+def test_this_torch_has_onednn():
+    """The engine's products of two or more rows are oneDNN's on every x86 and ARM build of torch;
+    without it they fall back to F.linear, which the invariance above then holds only per ROW_MULTIPLE."""
+    assert mm.ONEDNN
+
+
+def test_packed_weights_give_the_same_products_and_never_go_stale():
+    g = torch.Generator().manual_seed(2)
+    w = random_linear_weight(1536, 576, g)
+    x = torch.randn(40, 576, generator=g)
+    with torch.inference_mode():
+        plain = linear(x, w)
+        assert mm.packed(w) is None
+        assert mm.pack(w) and mm.packed(w) is not None
+        full = linear(x, w)
+        torch.testing.assert_close(full, plain, atol=1e-5, rtol=1e-5)
+        for m in range(2, 41):  # batch invariance holds on the packed copy too
+            assert torch.equal(linear(x[:m], w), full[:m]), m
+        torch.testing.assert_close(linear(x[:1], w), plain[:1], atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        w.mul_(2.0)  # a write: the packed copy is now stale and must not be read
+    assert mm.packed(w) is None
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x, w), 2 * plain, atol=1e-5, rtol=1e-5)
+    assert mm.packed(w.detach().clone()) is None  # a copy of the weight does not inherit the blocked copy
+    alive = weakref.ref(w)
+    del w
+    gc.collect()
+    assert alive() is None  # the blocked copy (an attribute of w) does not keep w alive: it goes with it
+
+
+def test_pack_refuses_what_it_cannot_pack():
+    assert not mm.pack(torch.ones(8, 4, dtype=torch.bfloat16))
+    assert not mm.pack(torch.ones(8))
+    with torch.inference_mode():
+        assert not mm.pack(torch.ones(8, 4))  # an inference tensor keeps no version: a write could not be seen
+
+
+def test_pack_weights_packs_every_matrix_once(tiny_cfg):
+    model = Llama.random(tiny_cfg, seed=0)  # its own: the session's tiny model stays unpacked
+    added = model.pack_weights()
+    mats = [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
+    mats.append(model.lm_head)
+    assert all(mm.packed(w) is not None for w in mats)
+    assert added == sum(w.numel() * w.element_size() for w in mats)
+
+
+def test_load_model_packs_by_default(tmp_path, tiny_model):
+    folder = save_checkpoint(tiny_model, tmp_path)
+    assert mm.packed(load_model(folder).layers[0].wqkv) is not None
+    assert mm.packed(load_model(folder, pack=False).layers[0].wqkv) is None
+
+
+# ---- the [in, out] layout --------------------------------------------------------------------------
+
+
+def test_linear_weights_are_stored_in_out_and_stay_so(tmp_path, tiny_cfg):
+    """Every matrix keeps its (out, in) shape but is contiguous as (in, out), through dtype and load."""
+    model = Llama.random(tiny_cfg, seed=0)
+
+    def matrices(m):
+        return [p for n, p in m.named_parameters() if p.dim() == 2]
+
+    assert all(p.t().is_contiguous() for p in matrices(model))
+    assert model.layers[0].wqkv.shape == (
+        (tiny_cfg.n_heads + 2 * tiny_cfg.n_kv_heads) * tiny_cfg.head_dim, tiny_cfg.hidden_size)
+    assert all(p.t().is_contiguous() for p in matrices(model.to(torch.bfloat16)))
+    loaded = load_model(save_checkpoint(Llama.random(tiny_cfg, seed=0), tmp_path))
+    assert all(p.t().is_contiguous() for p in matrices(loaded))
+    untied = Llama.random(ModelConfig.tiny(tie_word_embeddings=False))
+    assert untied.embed.is_contiguous() and untied.lm_head.t().is_contiguous()  # lookup table stays row-major
+
+
+def test_linear_one_row_is_the_weighted_row_sum_and_other_layouts_are_f_linear():
+    g = torch.Generator().manual_seed(0)
+    w = linear_weight(96, 64)
+    with torch.no_grad():
+        w.copy_(torch.randn(96, 64, generator=g))
+    x = torch.randn(1, 1, 64, generator=g)
+    torch.testing.assert_close(linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)  # the one-row road
+    rows = torch.randn(3, 5, 64, generator=g)
+    assert torch.equal(linear(rows, w), F.linear(rows, w))  # gradients on: plain F.linear
+    row_major = w.detach().contiguous()
+    assert torch.equal(linear(x, row_major), F.linear(x, row_major))  # other layouts: plain F.linear
+    assert linear(x.bfloat16(), w.bfloat16()).dtype == torch.bfloat16
+    w.grad = None
+    linear(x, w).sum().backward()  # still differentiable (the cached indices are ordinary tensors)
+    torch.testing.assert_close(w.grad, x.reshape(1, 64).expand(96, 64))
