@@ -1,11 +1,12 @@
 """nanoserve: an LLM inference engine built from an empty folder, one notebook a day.
 
-    config, tokenizer, sampling, generate   the request's ends: settings, text, choosing tokens, the loop
+    config, tokenizer, sampling, stopping, generate
+                 a request's ends: settings, text, choosing tokens, when to stop, the loop
     model/       the Llama decoder, its ops, its weight products, checkpoints
     kernels/     the compiled C++ kernels the model and attention call where they can
     kv/          where keys and values live: a contiguous cache, the paged pool's blocks and storage
     attention/   one step's metadata and the paged attention backend
-    engine/      the model runner, sessions, the static batch
+    engine/      the model runner, sessions, the static batch, the scheduler and LLMEngine
     bench/       instruments: timing, roofline, profiler, benchmark commands
     teach/       helpers the notebooks use to show things
 """

@@ -18,7 +18,10 @@ from .engine.session import PagedSession, Session, paged_session
 from .kv.paged import PagedKVCache
 from .model import Llama
 from .sampling import Sampler, SamplingParams
+from .stopping import StopChecker
 from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+__all__ = ["Completion", "StepOutput", "StopChecker", "generate", "generate_n", "greedy_ids", "stream_generate"]
 
 
 @dataclass
@@ -36,43 +39,6 @@ class Completion:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
-
-
-class StopChecker:
-    """Decides when a sequence ends: EOS / stop ids, stop strings in the text, max tokens, context.
-
-    A stop string can span several tokens, so text that could still become the start of one is
-    held back (at most the longest stop string minus one character) until it cannot.
-    """
-
-    def __init__(self, params: SamplingParams, eos_ids: list[int], max_new: int):
-        self.params = params
-        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        self.max_new = min(params.max_tokens, max_new)
-        self.hold = max((len(s) - 1 for s in params.stop), default=0)
-        self.text = ""
-        self.emitted = 0  # characters of self.text already handed out
-
-    def _release(self, upto: int) -> str:
-        upto = max(self.emitted, upto)  # never negative: a negative index would wrap around
-        out, self.emitted = self.text[self.emitted:upto], upto
-        return out
-
-    def check(self, token: int, n_generated: int, piece: str) -> tuple[str, str | None]:
-        """Returns (text to emit, finish reason or None). Text stops before a stop string."""
-        if token in self.stop_ids:
-            return self._release(len(self.text)), "stop"
-        checked = len(self.text)
-        self.text += piece
-        for s in self.params.stop:
-            # only a match that reaches into the new piece is new
-            at = self.text.find(s, max(0, checked - len(s) + 1))
-            if at != -1:
-                self.text = self.text[:at]
-                return self._release(at), "stop"
-        if n_generated >= self.max_new:
-            return self._release(len(self.text)), "length"
-        return self._release(len(self.text) - self.hold), None
 
 
 def stream_generate(

@@ -24,7 +24,7 @@ torch.set_num_threads(max(1, int(os.environ.get("NANOSERVE_THREADS", torch.get_n
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
-REAL_MODEL_FIXTURES = {"model_dir", "model", "tok", "hf_model", "hf_tok", "fp64_logits"}
+REAL_MODEL_FIXTURES = {"model_dir", "model", "tok", "hf_model", "hf_tok", "fp64_logits", "hf_greedy"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -136,3 +136,21 @@ FP64_ANY_TOL = 3e-4
 def fp64_tol() -> tuple[float, float]:
     """(last position, any position): the bounds above, for the test modules that compare against fp64."""
     return FP64_LAST_TOL, FP64_ANY_TOL
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, tok):
+    """transformers' greedy generation of each shared prompt (tests/prompts.py) alone, computed once:
+    name -> (prompt ids, new tokens, per-step logits). It stops at EOS or after MAX_NEW tokens."""
+    from prompts import MAX_NEW, PROMPTS, prompt_ids
+
+    out = {}
+    for name in PROMPTS:
+        ids = prompt_ids(tok, name)
+        with torch.inference_mode():
+            gen = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
+                max_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True, pad_token_id=2,
+            )
+        out[name] = (ids, gen.sequences[0, len(ids):].tolist(), [step[0] for step in gen.logits])
+    return out

@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from prompts import PROMPTS, prompt_ids
+from prompts import MAX_NEW, PROMPTS, near_tie_horizon, prompt_ids
 
 from nanoserve.engine import NoCacheSession, check_prompt
 from nanoserve.generate import StepOutput, generate, stream_generate
 from nanoserve.sampling import SamplingParams
-
-NEAR_TIE = 1e-3
-MAX_NEW = 64
-
 
 NO_CACHE = {"plain", "chat"}  # prompts whose greedy completions end early: cheap enough without a cache
 
@@ -31,17 +27,6 @@ NO_CACHE = {"plain", "chat"}  # prompts whose greedy completions end early: chea
 def session_for(model, name: str):
     """The no-cache session for the NO_CACHE prompts, else None: generate's own road."""
     return NoCacheSession(model) if name in NO_CACHE else None
-
-
-def near_tie_horizon(ref_logits: list[torch.Tensor], gap: float = NEAR_TIE) -> int:
-    """How many leading steps the reference chose clearly: the index of the first step whose
-    top1 - top2 logit gap is below `gap` (or the number of steps if there is none).
-    Tokens before it must match exactly; from it on two correct fp32 paths may diverge."""
-    for i, logits in enumerate(ref_logits):
-        top2 = torch.topk(logits.float().flatten(), 2).values
-        if float(top2[0] - top2[1]) < gap:
-            return i
-    return len(ref_logits)
 
 
 def test_near_tie_horizon():
@@ -52,18 +37,9 @@ def test_near_tie_horizon():
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, tok):
-    """transformers' greedy generation per prompt, computed once: (ids, new tokens, per-step logits)."""
-    out = {}
-    for name in PROMPTS:
-        ids = prompt_ids(tok, name)
-        with torch.inference_mode():
-            gen = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                max_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True, pad_token_id=2,
-            )
-        out[name] = (ids, gen.sequences[0, len(ids):].tolist(), [step[0] for step in gen.logits])
-    return out
+def reference(hf_greedy):
+    """transformers' greedy generation per prompt: (ids, new tokens, per-step logits)."""
+    return hf_greedy
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.generate import StopChecker
 from nanoserve.sampling import (
     ARGMAX_CHUNK,
     Sampler,
@@ -19,6 +18,7 @@ from nanoserve.sampling import (
     argmax_rows,
     filtered_probs,
 )
+from nanoserve.stopping import StopChecker
 
 # ---------------------------------------------------------------- validation
 

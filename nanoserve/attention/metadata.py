@@ -74,9 +74,10 @@ class AttentionMetadata:
         return self.query_start_loc[1:] - 1
 
 
-def prepare(chunks: Sequence[Chunk], block_size: int) -> tuple[Tensor, AttentionMetadata]:
+def prepare(chunks: Sequence[Chunk], block_size: int, min_rows: int = 1) -> tuple[Tensor, AttentionMetadata]:
     """The step's input ids (N,) and metadata, for requests in order. Every engine path builds its
-    step here: one sequence's prefill or decode, a static batch, the scheduler's mixed steps."""
+    step here: one sequence's prefill or decode, a static batch, the scheduler's mixed steps.
+    `min_rows=2` keeps a lone token off the one-row road (so it gets the bits it gets in any batch)."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     ids: list[int] = []
@@ -100,7 +101,7 @@ def prepare(chunks: Sequence[Chunk], block_size: int) -> tuple[Tensor, Attention
         starts.append(starts[-1] + n)
         seq_lens.append(end)
     n_real = starts[-1]
-    pad = forward_rows(n_real) - n_real
+    pad = forward_rows(max(n_real, min_rows)) - n_real
     width = max(-(-s // block_size) for s in seq_lens)
     tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
     md = AttentionMetadata(

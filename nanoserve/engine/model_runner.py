@@ -10,6 +10,7 @@ logits. It decides nothing about who runs: that is the caller's business.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 
 import torch
@@ -28,21 +29,28 @@ class ModelRunner:
 
     `kernels`: the compiled kernels for the layer's small ops and for attention: None where they can
     run (fp32, built), True insists, False runs torch's ops. `attention` picks the attention
-    implementation by name ("reference", "torch", "compiled"; `attention.backend`), else the default."""
+    implementation by name ("reference", "torch", "compiled"; `attention.backend`), else the default.
+    `batch_invariant`: a step of one token runs as a step of several too, so a request gets the same
+    bits alone as beside others (its seeded samples too), at the price of the one-row road's speed."""
 
-    def __init__(self, model: Llama, cache: PagedKVCache, kernels: bool | None = None, attention: str | None = None):
+    def __init__(self, model: Llama, cache: PagedKVCache, kernels: bool | None = None, attention: str | None = None,
+                 batch_invariant: bool = False):
         self.model, self.cache = model, cache
+        self.batch_invariant = batch_invariant
         self.kernels = use_kernels(model.dtype, kernels)
         self.attention = choose(self.kernels, attention)
+        self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[Chunk]) -> Tensor:
         """Run one step; logits (R, V) at each request's last new token, requests in order."""
-        ids, md = prepare(chunks, self.cache.block_size)
+        t0 = time.perf_counter()
+        ids, md = prepare(chunks, self.cache.block_size, min_rows=2 if self.batch_invariant else 1)
+        self.last_prepare_s = time.perf_counter() - t0
         with contextlib.nullcontext() if self.kernels else torch_ops():
             backend = PagedAttention(self.cache.storage, md, self.attention)
             h = self.model.hidden_states(ids[None], md.positions[None], backend)[0]  # (N, C)
             rows = h[md.last_rows]  # (R, C): each request's last token
-            if md.num_tokens > 1 and len(rows) == 1:  # one prompt alone: the head runs the batch's product
+            if len(rows) == 1 and len(ids) > 1:  # one request alone: the head runs the batch's product
                 return self.model.logits(F.pad(rows, (0, 0, 0, 1)))[:1]  # kernel, as its row in any batch would
             return self.model.logits(rows)

@@ -1,0 +1,111 @@
+"""A request: a prompt, how to sample it, and where it is in its life (Day 30).
+
+vLLM V1's view: there is no prefill phase and no decode phase. A request has tokens (its prompt,
+then what it has generated) and a count of how many of them are computed, their K/V in the cache.
+Each step the scheduler gives it some of the rest to compute: a whole prompt, a chunk of one, one
+decode token, or, after a preemption, everything again. When the computed count reaches the end, the
+step's logits at its last token are sampled into a new token.
+
+    WAITING --admitted--> RUNNING --last token--> FINISHED (stop token, stop string, length, abort)
+       ^                    |
+       +--- PREEMPTED <-----+   its blocks freed; recomputed when readmitted, nothing lost
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..kv.blocks import BlockTable
+from ..sampling import Sampler, SamplingParams
+from ..stopping import StopChecker
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended, in the OpenAI API's words: "stop" is a stop token or a stop string
+    (`Request.stop_reason` says which), "length" its max_tokens or the model's context."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """One request's whole state. The scheduler moves it between queues; the engine samples for it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int  # params.max_tokens, cut to what fits in the model's context
+    eos_token_ids: Sequence[int] = ()
+    tokenizer: Tokenizer | None = None
+    arrival_time: float = 0.0  # clock reading when it was added
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V is in the cache
+    table: BlockTable | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    text: str = ""  # the output as text (with a tokenizer), a stop string and what follows cut off
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    num_preemptions: int = 0
+    token_times: list[float] = field(default_factory=list)  # clock reading at each sampled token
+    finish_time: float | None = None
+    events: list[tuple[int, RequestStatus]] = field(default_factory=list)  # (engine step, new status)
+
+    def __post_init__(self) -> None:
+        self.sampler = Sampler(self.params)
+        self.stopper = StopChecker(self.params, list(self.eos_token_ids), self.max_new_tokens)
+        self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens not yet in the cache: the whole prompt at first, one after each sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def move(self, status: RequestStatus, step: int) -> None:
+        """Change state, and log it for the timeline (Day 30 draws it)."""
+        self.status = status
+        self.events.append((step, status))
+
+    def append_token(self, token: int, now: float) -> str:
+        """Record a sampled token; returns the text it releases. Sets finish_reason when it ends the request."""
+        self.output_token_ids.append(token)
+        self.token_times.append(now)
+        piece = ""
+        if self.detok is not None and token not in self.stopper.stop_ids:
+            piece = self.detok.push(token)
+        text, reason = self.stopper.check(token, len(self.output_token_ids), piece)
+        if reason == "length" and self.detok is not None:
+            text += self.detok.flush()
+        if reason is not None:
+            self.finish_reason = FinishReason(reason)
+            self.stop_reason = token if token in self.stopper.stop_ids else self.stopper.matched
+        self.text += text
+        return text

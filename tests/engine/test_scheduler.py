@@ -1,0 +1,143 @@
+"""The scheduler without a model: queues, the token budget, chunking, admission, preemption and
+prefix hits, planned on a BlockManager (no tensors)."""
+
+import pytest
+
+from nanoserve.engine import Request, RequestStatus, Scheduler, SchedulerConfig
+from nanoserve.kv import BlockManager
+from nanoserve.sampling import SamplingParams
+
+
+def request(rid, prompt_len, max_new=8, first=1):
+    return Request(str(rid), list(range(first, first + prompt_len)), SamplingParams(temperature=0), max_new)
+
+
+def run_step(sched, step=0, token=99):
+    """Plan a step and play the engine's part: count the computed tokens, sample `token` where a chunk completes."""
+    plan = sched.schedule(step)
+    for c in plan.chunks:
+        c.request.num_computed_tokens += c.num_tokens
+        sched.manager.commit(c.request.table)
+        if c.completes:
+            c.request.output_token_ids.append(token)
+    return plan
+
+
+def shape(plan):
+    return [(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks]
+
+
+def test_running_requests_come_first_and_waiting_ones_are_admitted_in_order():
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100))
+    a, b = request("a", 5), request("b", 3)
+    sched.add(a), sched.add(b)
+    assert shape(run_step(sched)) == [("a", 0, 5), ("b", 0, 3)]
+    c = request("c", 4)
+    sched.add(c)
+    plan = run_step(sched, 1)
+    assert shape(plan) == [("a", 5, 1), ("b", 3, 1), ("c", 0, 4)]  # decodes first, then the newcomer
+    assert plan.num_decode_tokens == 2 and plan.num_prefill_tokens == 4 and plan.admitted == [c]
+    assert [r.status for r in (a, b, c)] == [RequestStatus.RUNNING] * 3
+
+
+def test_a_long_prompt_is_chunked_and_the_decodes_never_stall():
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_batched_tokens=8))
+    a = request("a", 3)
+    sched.add(a)
+    run_step(sched)
+    long = request("long", 20)
+    sched.add(long)
+    plans = [shape(run_step(sched, s)) for s in range(1, 5)]
+    assert plans == [
+        [("a", 3, 1), ("long", 0, 7)],
+        [("a", 4, 1), ("long", 7, 7)],
+        [("a", 5, 1), ("long", 14, 6)],  # the last chunk completes the prompt: a token is sampled
+        [("a", 6, 1), ("long", 20, 1)],
+    ]
+    assert long.output_token_ids == [99, 99]
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_budget_it_fits_in_whole():
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_batched_tokens=8, chunked_prefill=False))
+    sched.add(request("a", 3)), sched.add(request("b", 6)), sched.add(request("c", 1))
+    assert shape(run_step(sched)) == [("a", 0, 3)]  # b does not fit the 5 left; c waits behind it (FCFS)
+    assert shape(run_step(sched, 1)) == [("a", 3, 1), ("b", 0, 6), ("c", 0, 1)]
+
+
+def test_max_num_seqs_caps_the_running_requests():
+    sched = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_seqs=2))
+    for i in range(4):
+        sched.add(request(i, 2))
+    assert [r.request_id for r in run_step(sched).admitted] == ["0", "1"]
+    assert [r.request_id for r in sched.waiting] == ["2", "3"]
+    sched.finish(sched.running[0])
+    assert [r.request_id for r in run_step(sched, 1).admitted] == ["2"]
+
+
+def test_admission_waits_for_free_blocks():
+    sched = Scheduler(BlockManager(4, 4), SchedulerConfig())
+    sched.add(request("a", 12)), sched.add(request("b", 5, first=50))
+    plan = run_step(sched)
+    assert shape(plan) == [("a", 0, 12)] and len(sched.waiting) == 1  # b needs 2 blocks, 1 is free
+    sched.finish(sched.running[0])
+    assert shape(run_step(sched, 1)) == [("b", 0, 5)]
+
+
+def test_when_the_pool_runs_dry_the_newest_request_is_preempted_and_readmitted_first():
+    sched = Scheduler(BlockManager(4, 2, prefix_caching=False), SchedulerConfig())
+    a, b, c = request("a", 4), request("b", 4, first=10), request("c", 1, first=20)
+    for r in (a, b, c):
+        sched.add(r)
+    run_step(sched)  # a: 2 blocks, b: 2 blocks; c waits
+    assert sched.manager.pool.num_free == 0 and list(sched.waiting) == [c]
+    plan = run_step(sched, 1)  # a's 5th token needs a 3rd block: b, the newest, gives its 2 back
+    assert plan.preempted == [b] and shape(plan) == [("a", 4, 1)]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.table is None
+    assert list(sched.waiting) == [b, c] and b.num_preemptions == 1
+    sched.finish(a)
+    plan = run_step(sched, 2)
+    assert shape(plan) == [("b", 0, 5), ("c", 0, 1)]  # b recomputes its prompt and its token: nothing lost
+    assert [s for _, s in b.events] == [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREEMPTED,
+                                        RequestStatus.RUNNING]
+
+
+def test_a_request_that_is_itself_the_newest_waits_instead():
+    sched = Scheduler(BlockManager(2, 2, prefix_caching=False), SchedulerConfig())
+    a = request("a", 4)
+    sched.add(a)
+    run_step(sched)
+    plan = run_step(sched, 1)  # a's 5th token needs a 3rd block, and nobody else runs
+    assert plan.preempted == [a] and plan.chunks == [] and list(sched.waiting) == [a]
+
+
+def test_a_shared_prefix_is_found_at_admission_and_not_recomputed():
+    sched = Scheduler(BlockManager(16, 4), SchedulerConfig())
+    first = request("first", 10)
+    sched.add(first)
+    run_step(sched)  # computes 10 tokens, names the 2 full blocks
+    second = Request("second", list(range(1, 9)) + [50, 51, 52], SamplingParams(temperature=0), 4)
+    sched.add(second)
+    plan = run_step(sched, 1)
+    assert shape(plan) == [("first", 10, 1), ("second", 8, 3)]
+    assert second.num_cached_tokens == 8 and second.table.blocks[:2] == first.table.blocks[:2]
+    assert sched.prefix_hit_tokens == 8 and sched.prefix_queried_tokens == 21
+    assert sched.prefix_hit_rate == pytest.approx(8 / 21)
+
+
+def test_finish_frees_the_blocks_from_either_queue():
+    m = BlockManager(8, 4, prefix_caching=False)
+    sched = Scheduler(m, SchedulerConfig())
+    a, b = request("a", 6), request("b", 40)
+    sched.add(a), sched.add(b)
+    run_step(sched)
+    sched.finish(a)
+    sched.finish(b)
+    assert not sched.has_unfinished() and m.pool.num_free == 8 and a.status is RequestStatus.FINISHED
+    m.pool.check()
+
+
+@pytest.mark.parametrize("kw", [dict(max_num_seqs=0), dict(max_num_batched_tokens=-1), dict(max_num_seqs=True),
+                                dict(max_num_batched_tokens=2.5)])
+def test_bad_knobs_are_refused(kw):
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        SchedulerConfig(**kw)
