@@ -8,6 +8,8 @@
     bench layout   weight-streaming GB/s of candidate layouts at batch 1
     bench paged    paged vs contiguous decode (Day 20)
     bench batch    static batching, measured (Day 29)
+    bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
+    bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
 
 Bad arguments get one line on stderr and exit code 2.
 """
@@ -28,7 +30,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import batch, paged, single
+    from .bench import batch, chunked, engine, paged, single
     from .model import fetch
     from .teach import memory
 
@@ -58,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
                          bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
     paged.add_arguments(bsub.add_parser("paged", help="paged vs contiguous decode (Day 20)"))
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
+    engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
+    chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
     return ap
 
 
@@ -76,9 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         from .teach import memory
 
         return memory.run(args, argv)
-    from .bench import batch, paged, single
+    from .bench import batch, chunked, engine, paged, single
 
-    return {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run}[args.what](args, argv)
+    runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
+            "chunked": chunked.run}
+    return runs[args.what](args, argv)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -36,11 +36,17 @@ from .timing import DEFAULT_CLOCK, Clock
 
 @dataclass(frozen=True)
 class BatchTiming:
-    """One static-batch run: the prefill, each decode step, and how many steps each row needed."""
+    """One run: the prefill, each decode step, and how many steps each row needed.
+
+    A static batch (the defaults) computes every row at every step and hands every row back at the
+    end. A scheduled run (Day 31) says how many rows each step computed (`step_rows`) and hands each
+    row back when its own work is done (`returns_rows_when_done`); the same bills then measure it."""
 
     prefill_s: float
     step_s: list[float]
     row_steps: list[int]
+    step_rows: list[int] | None = None  # rows each decode step computed; None: all of them (static)
+    returns_rows_when_done: bool = False
 
     def __post_init__(self) -> None:
         if not self.row_steps:
@@ -54,8 +60,14 @@ class BatchTiming:
         if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.row_steps):
             raise ValueError(f"row_steps must be ints >= 0, got {self.row_steps}")
         if max(self.row_steps) != self.n_steps:
-            raise ValueError(f"a static batch runs until its slowest row is done: max(row_steps) = "
+            raise ValueError(f"a batch runs until its slowest row is done: max(row_steps) = "
                              f"{max(self.row_steps)} but {self.n_steps} steps were timed")
+        if self.step_rows is not None:
+            if len(self.step_rows) != self.n_steps or not all(0 <= r <= self.batch_size for r in self.step_rows):
+                raise ValueError(f"step_rows needs one count in [0, {self.batch_size}] per step, got {self.step_rows}")
+            if sum(self.step_rows) < self.useful_tokens:
+                raise ValueError(f"the steps computed {sum(self.step_rows)} rows, fewer than the {self.useful_tokens} "
+                                 f"decode tokens the rows collected")
 
     @property
     def batch_size(self) -> int:
@@ -75,8 +87,8 @@ class BatchTiming:
 
     @property
     def issued_tokens(self) -> int:
-        """Decode tokens the forward computed: every row, every step, finished or not."""
-        return self.batch_size * self.n_steps
+        """Decode tokens the forward computed: in a static batch every row, every step, finished or not."""
+        return self.batch_size * self.n_steps if self.step_rows is None else sum(self.step_rows)
 
     @property
     def useful_tokens(self) -> int:
@@ -107,15 +119,21 @@ class BatchTiming:
         return self._elapsed()[-1]
 
     @property
+    def row_returned_s(self) -> list[float]:
+        """Per row, when its answer is handed back: with the batch (static), or as soon as it is done."""
+        return list(self.row_done_s) if self.returns_rows_when_done else [self.batch_done_s] * self.batch_size
+
+    @property
     def hol_delay_s(self) -> list[float]:
-        """Per row, time spent holding a finished answer: batch_done_s - row_done_s."""
-        return [self.batch_done_s - done for done in self.row_done_s]
+        """Per row, time spent holding a finished answer: row_returned_s - row_done_s."""
+        return [back - done for back, done in zip(self.row_returned_s, self.row_done_s)]
 
     @property
     def hol_inflation(self) -> list[float]:
-        """Per row, latency as returned over latency as earned: batch_done_s / row_done_s (>= 1)."""
-        # batch_done_s > 0 (every step takes time); a row that earned 0s (free prefill, no steps) is inf
-        return [self.batch_done_s / done if done > 0 else math.inf for done in self.row_done_s]
+        """Per row, latency as returned over latency as earned: row_returned_s / row_done_s (>= 1)."""
+        # a row that earned 0s (free prefill, no steps) but waited is inf
+        return [back / done if done > 0 else (1.0 if back == done else math.inf)
+                for back, done in zip(self.row_returned_s, self.row_done_s)]
 
     @property
     def max_hol_inflation(self) -> float:

@@ -11,6 +11,7 @@ function's tokens.
     time_model_batch      time it: a BatchTiming (prefill, every step, each row's budget) and the tokens
     sweep_batch_sizes     uniform batches of 1, 2, 4, ... rows: throughput against batch size
     time_hf_generate      transformers' static batched generate on the same checkpoint, timed per step
+    time_engine_batch     the same rows through the scheduled engine (Day 31): the same BatchTiming
 
 transformers is imported only inside the two functions that use it: it is the reference, not a dependency.
 """
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine import StaticBatch
+from ..engine import LLMEngine, SchedulerConfig, StaticBatch
 from ..model import Llama
+from ..sampling import SamplingParams
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, time_static_batch
 from .timing import DEFAULT_CLOCK, Clock
 
@@ -83,6 +85,30 @@ def time_model_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps:
     finally:
         run.free()
     return timing, run.tokens
+
+
+def time_engine_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
+                      clock: Clock = DEFAULT_CLOCK, config: SchedulerConfig | None = None,
+                      kernels: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
+    """The rows of `time_model_batch`, all arriving at once, through the scheduled engine: its first step
+    is every prompt (the prefill), then each step decodes the rows still running. Row i generates
+    stop_steps[i] + 1 tokens, as in the static batch, and is handed back the step it is done."""
+    engine = LLMEngine(model, config=config, kernels=kernels, clock=clock)
+    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
+           for p, n in zip(prompts, stop_steps)]
+    t0 = clock()
+    engine.step()
+    if engine.history[0].num_prefill_tokens != sum(len(p) for p in prompts):
+        raise ValueError("the prompts did not fit one step: raise max_num_batched_tokens or max_num_seqs")
+    prefill_s, step_s, step_rows = clock() - t0, [], []
+    while engine.has_unfinished_requests():
+        t = clock()
+        engine.step()
+        step_s.append(clock() - t)
+        step_rows.append(engine.history[-1].num_decode_tokens)
+    tokens = [engine.requests[i].output_token_ids for i in ids]
+    timing = BatchTiming(prefill_s, step_s, [len(t) - 1 for t in tokens], step_rows, returns_rows_when_done=True)
+    return timing, tokens
 
 
 @dataclass

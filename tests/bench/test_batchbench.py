@@ -107,10 +107,24 @@ def test_row_with_no_own_time_is_infinitely_inflated():
     (dict(prefill_s=0.0, step_s=[1.0], row_steps=[True]), "ints >= 0"),
     (dict(prefill_s=0.0, step_s=[1.0], row_steps=[2, 1]), "slowest row"),  # more steps than timed
     (dict(prefill_s=0.0, step_s=[1.0, 1.0], row_steps=[1, 1]), "slowest row"),  # an unneeded step
+    (dict(prefill_s=0.0, step_s=[1.0, 1.0], row_steps=[1, 2], step_rows=[2]), "one count"),
+    (dict(prefill_s=0.0, step_s=[1.0, 1.0], row_steps=[1, 2], step_rows=[3, 1]), "one count"),
+    (dict(prefill_s=0.0, step_s=[1.0, 1.0], row_steps=[1, 2], step_rows=[1, 1]), "fewer than the 3"),
 ])
 def test_batch_timing_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         BatchTiming(**kwargs)
+
+
+def test_a_scheduled_run_is_billed_for_the_rows_it_computed_and_hands_rows_back_when_done():
+    """The blocking run as the engine runs it: 8 rows for 3 steps, then the long row alone for 28."""
+    t = BatchTiming(prefill_s=1.0, step_s=[1.0] * 31, row_steps=[3] * 7 + [31], step_rows=[8] * 3 + [1] * 28,
+                    returns_rows_when_done=True)
+    assert (t.issued_tokens, t.useful_tokens, t.waste_fraction) == (52, 52, 0.0)
+    assert t.row_returned_s == t.row_done_s == [4.0] * 7 + [32.0]
+    assert t.hol_delay_s == [0.0] * 8 and t.max_hol_inflation == 1.0
+    static = BatchTiming(prefill_s=1.0, step_s=[1.0] * 31, row_steps=[3] * 7 + [31])
+    assert (static.issued_tokens, static.max_hol_inflation) == (248, 8.0)
 
 
 def test_time_static_batch_reads_the_clock_around_each_closure():

@@ -7,6 +7,7 @@ from nanoserve.bench.harness import (
     PROMPTS,
     build_batched_decode,
     sweep_batch_sizes,
+    time_engine_batch,
     time_hf_generate,
     time_model_batch,
 )
@@ -36,6 +37,15 @@ def test_blocking_run_counts_on_the_real_model(model, prompts):
     assert timing.row_steps == stop_steps and timing.n_steps == 31
     assert timing.max_hol_inflation == (1 + 31) / (1 + 3)  # one prefill, then 31 vs 3 one-second steps
     assert [len(t) for t in tokens] == list(BLOCKING_LENS)
+    assert tokens == greedy_generate_batch(model, prompts, max_new_tokens=list(BLOCKING_LENS))
+
+
+def test_the_engine_runs_the_blocking_rows_without_waste_or_blocking(model, prompts):
+    """Day 31's acceptance on the real model, counted: the same rows through the scheduled engine."""
+    stop_steps = [n - 1 for n in BLOCKING_LENS]
+    timing, tokens = time_engine_batch(model, prompts, stop_steps, clock=TickClock())
+    assert (timing.issued_tokens, timing.useful_tokens, timing.waste_fraction) == (52, 52, 0.0)
+    assert timing.step_rows == [8] * 3 + [1] * 28 and timing.max_hol_inflation == 1.0
     assert tokens == greedy_generate_batch(model, prompts, max_new_tokens=list(BLOCKING_LENS))
 
 
