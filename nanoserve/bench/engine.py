@@ -282,6 +282,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Every system on the workloads, one after another in this process; the CSV and a table of ratios."""
     if args.threads:
         torch.set_num_threads(args.threads)
     from .. import load

@@ -48,3 +48,24 @@ def test_the_workload_chunked_preempted_and_shared_as_intended(served):
     assert engine.scheduler.num_preemptions > 0
     assert reqs["chat_cjk"][0].num_cached_tokens > 0  # the chat template's blocks were found
     engine.check_idle()
+
+
+def test_stop_strings_end_a_request_as_they_end_generate(model, tok):
+    """A stop string cuts the engine's text where it cuts generate's, beside a request that does not stop."""
+    from nanoserve.generate import generate
+
+    ids = tok.encode_chat([{"role": "user", "content": "Count from one to ten."}])
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["4."])
+    alone = generate(model, ids, params, tok)
+    engine = LLMEngine(model, tok, num_blocks=64)
+    rid = engine.add_request(ids, params)
+    other = engine.add_request(tok.encode("The capital of France is"), SamplingParams(temperature=0, max_tokens=8))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        streamed += "".join(o.new_text for o in engine.step() if o.request_id == rid)
+    req = engine.requests[rid]
+    assert alone.finish_reason == "stop" and "4." not in alone.text  # the prompt does reach a "4."
+    assert (req.text, streamed, req.output_token_ids) == (alone.text, alone.text, alone.token_ids)
+    assert req.finish_reason.value == "stop" and req.stop_reason == "4."
+    assert engine.requests[other].finish_reason.value == "length"
+    engine.check_idle()
