@@ -2,6 +2,7 @@
 
     config, tokenizer, sampling, stopping, generate
                  a request's ends: settings, text, choosing tokens, when to stop, the loop
+    llm          the offline API in vLLM's shapes: LLM(...).generate(prompts, SamplingParams(...))
     model/       the Llama decoder, its ops, its weight products, checkpoints
     kernels/     the compiled C++ kernels the model and attention call where they can
     kv/          where keys and values live: a contiguous cache, the paged pool's blocks and storage
@@ -18,6 +19,7 @@ from pathlib import Path
 from .config import CheckpointError, ModelConfig
 from .engine import NoCacheSession, PagedSession
 from .generate import Completion, generate, stream_generate
+from .llm import LLM, CompletionOutput, RequestOutput
 from .model import Llama, load_model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -25,8 +27,8 @@ from .tokenizer import Tokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "Completion", "Llama", "ModelConfig", "NoCacheSession", "PagedSession", "SamplingParams",
-    "Tokenizer", "generate", "load", "load_model", "stream_generate",
+    "LLM", "CheckpointError", "Completion", "CompletionOutput", "Llama", "ModelConfig", "NoCacheSession",
+    "PagedSession", "RequestOutput", "SamplingParams", "Tokenizer", "generate", "load", "load_model", "stream_generate",
 ]
 
 

@@ -101,26 +101,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self.steps = 0
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a prompt (text, with a tokenizer, or token ids); returns its id. Refuses at once, with
-        the reason, what no step could ever serve: an empty or too long prompt, one the pool cannot
-        hold even alone, bad parameters. The requests already queued are untouched."""
-        params = params if params is not None else SamplingParams()
+    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+        """Refuse, with the reason, a request no step could ever serve: an empty or too long prompt, one the
+        pool cannot hold even alone, bad parameters. Returns how many tokens it may generate."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: the engine takes one sample per request; "
                              f"add the prompt n times (with seeds seed, seed+1, ...)")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs the engine's tokenizer; pass token ids instead")
-            if not prompt:
-                raise ValueError("prompt is empty: at least one token is needed to produce logits")
-            prompt = self.tokenizer.encode(prompt)
         cfg = self.model.cfg
         check_prompt(prompt, cfg.max_position_embeddings, cfg.vocab_size)
-        prompt = [int(i) for i in prompt]
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer to see the text")
         max_new = min(params.max_tokens, cfg.max_position_embeddings - len(prompt))
@@ -135,9 +125,25 @@ class LLMEngine:
                 f"without chunked prefill a request is computed in one step: {len(prompt)} prompt tokens and up "
                 f"to {max_new} new ones (recomputed whole after a preemption) exceed max_num_batched_tokens="
                 f"{self.config.max_num_batched_tokens}")
+        return max_new
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a prompt (text, with a tokenizer, or token ids); returns its id. What no step could ever
+        serve is refused at once (`check_request`); the requests already queued are untouched."""
+        params = params if params is not None else SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs the engine's tokenizer; pass token ids instead")
+            if not prompt:
+                raise ValueError("prompt is empty: at least one token is needed to produce logits")
+            prompt = self.tokenizer.encode(prompt)
+        max_new = self.check_request(prompt, params)
+        prompt = [int(i) for i in prompt]
         rid = str(next(self._ids)) if request_id is None else str(request_id)
         if rid in self.requests and not self.requests[rid].finished:
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
+        cfg = self.model.cfg
         req = Request(rid, prompt, params, max_new, cfg.eos_token_id, self.tokenizer, arrival_time=self.clock())
         self.requests[rid] = req
         self.scheduler.add(req, self.steps)
