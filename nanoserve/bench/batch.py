@@ -36,7 +36,7 @@ from .harness import (
     time_model_batch,
     warm_up,
 )
-from .machine import command_line, machine_line
+from .machine import add_common_arguments, command_line, machine_line, use_threads
 from .roofline import step_roofline
 
 CSV_PATH = "data/day-29-batchbench.csv"
@@ -182,14 +182,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
     ap.add_argument("--no-torch-ops", action="store_true",
                     help="skip timing our step on torch's ops beside the compiled kernels")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    ap.add_argument("--out", default=CSV_PATH)
+    add_common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Both Day-29 measurements on the real model, transformers beside them, the roofline beside both."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     from .. import load
     from ..model.fetch import ensure_model
     from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline

@@ -22,14 +22,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ..engine import LLMEngine, SchedulerConfig
 from ..model import Llama
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .batch import PASSAGE
-from .machine import command_line, csv_header, read_header
+from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
 
 CSV_PATH = "data/bench-chunked.csv"
 LONG = "long"  # the long request's id
@@ -215,13 +213,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-max-tokens", type=int, default=6, help="tokens the long request generates")
     ap.add_argument("--warm", type=int, default=4, help="tokens each short request has when the long one arrives")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    ap.add_argument("--out", default=CSV_PATH)
+    add_common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     from .. import load
 
     model, tok = load()

@@ -39,7 +39,7 @@ from ..model import Llama
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .batch import PASSAGE
-from .machine import command_line, csv_header, read_header
+from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
 from .roofline import forward_flops
 
 CSV_PATH = "data/bench-engine.csv"
@@ -277,14 +277,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--uniform", action="store_true",
                     help="also run the uniform workload (nanoserve's engine and one static batch)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
-    ap.add_argument("--out", default=CSV_PATH)
+    add_common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Every system on the workloads, one after another in this process; the CSV and a table of ratios."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     from .. import load
     from ..model.fetch import ensure_model
     from .harness import load_hf_model

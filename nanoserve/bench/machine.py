@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
@@ -61,3 +62,15 @@ def read_header(path: str | Path) -> dict[str, str]:
         key, _, value = line.lstrip("# ").partition(": ")
         meta[key] = value
     return meta
+
+
+def add_common_arguments(ap: argparse.ArgumentParser, csv_path: str) -> None:
+    """The arguments every bench command takes: torch's thread count, and where the CSV goes."""
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--out", default=csv_path)
+
+
+def use_threads(args: argparse.Namespace) -> None:
+    """Set torch's thread count if the command was given one."""
+    if args.threads:
+        torch.set_num_threads(args.threads)

@@ -46,7 +46,7 @@ from ..attention.reference import gather_blocks, prefix_attention
 from ..engine import PagedSession
 from ..kv import BlockPool, CachedSession, PagedKVCache
 from ..model import Llama
-from .machine import command_line, csv_header
+from .machine import add_common_arguments, command_line, csv_header, use_threads
 from .timing import DEFAULT_CLOCK, Clock, Summary, summarize, time_callable
 
 CSV_PATH = "data/day-20-paged-vs-contiguous.csv"
@@ -253,17 +253,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--step-repeats", type=int, default=15)
     ap.add_argument("--read-repeats", type=int, default=60)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: time.perf_counter; cpu: this thread's CPU time (needs --threads 1), which other "
                          "processes on a shared machine do not inflate")
-    ap.add_argument("--out", default=CSV_PATH)
+    add_common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """`python -m nanoserve bench paged`: the sweep, a table, and the CSV."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         print("nanoserve bench paged: error: --clock cpu counts one thread's CPU time, so it needs --threads 1",
               file=sys.stderr)

@@ -38,7 +38,7 @@ from ..kv import CachedSession
 from ..model import Llama, linear
 from ..model.matmul import ONEDNN, bag_linear, bmm_linear, onednn_linear, pack
 from ..sampling import SamplingParams
-from .machine import command_line, csv_header
+from .machine import command_line, csv_header, use_threads
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_callable
 
@@ -318,8 +318,7 @@ def add_arguments(single: argparse.ArgumentParser, layout: argparse.ArgumentPars
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """`python -m nanoserve bench single` or `bench layout` (args.what)."""
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    use_threads(args)
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if busy > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
