@@ -10,6 +10,8 @@
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
     bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
+    bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
+    serve          an OpenAI-compatible HTTP server (Day 38)
 
 Bad arguments get one line on stderr and exit code 2.
 """
@@ -30,8 +32,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import batch, chunked, engine, paged, single
+    from .bench import arrivals, batch, chunked, engine, paged, single
     from .model import fetch
+    from .server import app as server
     from .teach import memory
 
     ap = _Parser(prog="nanoserve", description="nanoserve: a small LLM inference engine. Commands:\n\n"
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
     chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
+    arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
+    server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap
 
 
@@ -80,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         from .teach import memory
 
         return memory.run(args, argv)
-    from .bench import batch, chunked, engine, paged, single
+    if args.command == "serve":
+        from .server import app as server
+
+        return server.run(args)
+    from .bench import arrivals, batch, chunked, engine, paged, single
 
     runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
-            "chunked": chunked.run}
+            "chunked": chunked.run, "arrivals": arrivals.run}
     return runs[args.what](args, argv)
 
 

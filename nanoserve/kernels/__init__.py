@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
 import os
 import platform
 import sys
@@ -68,9 +69,12 @@ def build_flags() -> tuple[str, list[str]]:
     return "nanoserve_kernels", flags
 
 
-def build_dir(name: str) -> Path:
+def build_dir(name: str, source: Path = SOURCE) -> Path:
+    """Where a build lives: one folder per name, Python, torch, and source (its path and its text), so two
+    clones, or two versions of the source, never rebuild over each other's library."""
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}"
+    digest = hashlib.sha256(str(source.resolve()).encode() + b"\0" + source.read_bytes()).hexdigest()[:12]
+    return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{digest}"
 
 
 def load(verbose: bool = False) -> ModuleType | None:

@@ -242,3 +242,15 @@ def test_a_failed_build_is_reported_by_the_compilers_error_line(monkeypatch):
     monkeypatch.setattr(cpp_extension, "load", broken)
     with pytest.warns(RuntimeWarning, match="kernels.cpp:12:3: error: 'vec' was not declared in this scope"):
         assert kernels.load() is None
+
+
+def test_build_dir_is_one_per_source_text_and_path(tmp_path):
+    """Two clones, or two versions of the source, must not rebuild over each other's library."""
+    a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
+    a.write_text("int f() { return 1; }")
+    b.write_text("int f() { return 1; }")
+    before = kernels.build_dir("k", a)
+    assert before != kernels.build_dir("k", b)
+    a.write_text("int f() { return 2; }")
+    assert kernels.build_dir("k", a) != before
+    assert kernels.build_dir("k", a) == kernels.build_dir("k", a)

@@ -1,0 +1,133 @@
+"""Requests that arrive over time, and the serving metrics vLLM reports for them.
+
+Stdlib only, like `timing.py`: arrival traces and every metric can be pinned in unit tests.
+
+Arrivals follow vLLM's `benchmark_serving.py`: the gaps between requests are drawn from a gamma
+distribution with shape `burstiness` and mean 1/rate. Burstiness 1 is a Poisson process
+(exponential gaps); below 1 the requests come in clumps, above 1 more evenly. Rate infinity sends
+everything at once, which measures the throughput at saturation.
+
+The metrics use vLLM's definitions, per request from its arrival (when the client sends it):
+
+    TTFT   first token - arrival
+    TPOT   (E2E - TTFT) / (output tokens - 1); one-token requests have none
+    ITL    the gaps between consecutive tokens, pooled over every request
+    E2E    last token (the response done) - arrival
+
+and over the run, whose duration runs from the first arrival to the last completion:
+request throughput = completed / duration, output throughput = output tokens / duration, and
+goodput = requests that met every SLO / duration.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .timing import RequestTiming
+
+PERCENTILES = (50, 90, 99)
+
+
+def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each of n requests is sent: the first at 0, then gamma gaps of
+    mean 1/rate and shape `burstiness` (1: Poisson). rate=inf sends all n at 0."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (inf for all at once), got {rate}")
+    if not (burstiness > 0 and math.isfinite(burstiness)):
+        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(n):
+        if i:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+        times.append(t)
+    return times
+
+
+@dataclass(frozen=True)
+class SLO:
+    """A service-level objective every request must meet to count toward goodput."""
+
+    ttft_s: float = 3.0
+    tpot_s: float = 0.25
+
+    def met(self, t: RequestTiming) -> bool:
+        """TTFT within bound, and TPOT within bound where there is one (a one-token answer has none)."""
+        return t.ttft <= self.ttft_s and (t.tpot is None or t.tpot <= self.tpot_s)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100), linear between order statistics: numpy's default, as vLLM reports."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    x = p / 100 * (len(s) - 1)
+    lo = int(x)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    out = {"mean": sum(values) / len(values) if values else math.nan}
+    out.update({f"p{p}": percentile(values, p) for p in PERCENTILES})
+    return out
+
+
+@dataclass(frozen=True)
+class ServingMetrics:
+    """One run's summary: counts, throughputs, goodput, and the latency distributions (seconds)."""
+
+    completed: int
+    duration_s: float
+    output_tokens: int
+    good: int
+    ttft: dict[str, float] = field(default_factory=dict)
+    tpot: dict[str, float] = field(default_factory=dict)
+    itl: dict[str, float] = field(default_factory=dict)
+    e2e: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_throughput(self) -> float:
+        return self.completed / self.duration_s
+
+    @property
+    def output_throughput(self) -> float:
+        return self.output_tokens / self.duration_s
+
+    @property
+    def goodput(self) -> float:
+        """Requests per second that met every SLO."""
+        return self.good / self.duration_s
+
+    def row(self) -> dict[str, float]:
+        """A flat dict for a CSV or a table: ttft_p50, tpot_p99, ..."""
+        out: dict[str, float] = dict(completed=self.completed, duration_s=self.duration_s,
+                                     output_tokens=self.output_tokens, good=self.good,
+                                     request_throughput=self.request_throughput,
+                                     output_throughput=self.output_throughput, goodput=self.goodput)
+        for name in ("ttft", "tpot", "itl", "e2e"):
+            out.update({f"{name}_{k}": v for k, v in getattr(self, name).items()})
+        return out
+
+
+def serving_metrics(timings: Sequence[RequestTiming], slo: SLO = SLO()) -> ServingMetrics:
+    """vLLM's summary of a run from each request's clock readings (start = its arrival)."""
+    if not timings:
+        raise ValueError("no completed requests to summarize")
+    start = min(t.start for t in timings)
+    duration = max(t.end for t in timings) - start
+    if duration <= 0:
+        raise ValueError("a run's duration must be > 0 (the last completion after the first arrival)")
+    return ServingMetrics(
+        completed=len(timings), duration_s=duration, output_tokens=sum(t.output_len for t in timings),
+        good=sum(slo.met(t) for t in timings),
+        ttft=_stats([t.ttft for t in timings]),
+        tpot=_stats([t.tpot for t in timings if t.tpot is not None]),
+        itl=_stats([gap for t in timings for gap in t.itl]),
+        e2e=_stats([t.latency for t in timings]))

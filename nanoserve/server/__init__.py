@@ -1,0 +1,7 @@
+"""Serving over HTTP: the engine in a background thread (`async_engine`), OpenAI's request shapes
+(`protocol`), Prometheus metrics (`metrics`) and the FastAPI app (`app`). FastAPI and uvicorn are
+imported only when a server is built."""
+
+from .async_engine import AsyncEngine, Delta, EngineDraining
+
+__all__ = ["AsyncEngine", "Delta", "EngineDraining"]

@@ -1,0 +1,223 @@
+"""The engine in one background thread, with requests coming from asyncio handlers (Day 38).
+
+The engine's step is blocking work (a forward of the whole batch), so it cannot run on the event loop
+that answers HTTP: one thread owns the engine and does nothing but step it. Handlers talk to that
+thread through a queue of commands (add, abort); each request's outputs come back through its own
+asyncio.Queue, fed from the thread with `call_soon_threadsafe`. Only the engine thread touches the
+engine after startup, so the engine needs no locks.
+
+    stream = async_engine.generate(prompt_ids, params)   # an async iterator of Deltas
+    async for delta in stream: ...                       # closing it early aborts the request
+
+A handler that stops reading (its client went away) closes the iterator, which sends an abort: the
+request's blocks go back to the pool at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from ..engine import LLMEngine
+from ..sampling import SamplingParams
+from .metrics import EngineMetrics
+
+
+class EngineDraining(RuntimeError):
+    """The server is shutting down: it finishes what it has but takes nothing new."""
+
+
+@dataclass
+class Delta:
+    """What one step produced for one request, and at the end its counts."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class AsyncEngine:
+    """An LLMEngine stepped by its own thread; `generate` is the asyncio side of one request."""
+
+    def __init__(self, engine: LLMEngine, history_limit: int = 1024, clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.history_limit = history_limit  # a server runs for days: keep only the last steps' records
+        self.metrics = EngineMetrics()
+        self.clock = clock
+        self.draining = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, Callable[[Delta | BaseException], None]] = {}
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.snapshot = self._snapshot()
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the thread; requests still in flight end with an error."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    async def drain(self, timeout: float = 60) -> None:
+        """Refuse new requests, then wait (up to `timeout`) for those in flight to finish."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self._sinks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    # ---- the asyncio side ----------------------------------------------------------------------------
+
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse (ValueError) what no step could ever serve, before anything is queued."""
+        if self.draining:
+            raise EngineDraining("the server is shutting down and takes no new requests")
+        self.engine.check_request(prompt_ids, params)
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[Delta]:
+        """Queue one request and yield its deltas as the engine thread produces them."""
+        self.check(prompt_ids, params)
+        if not self.is_running:
+            raise RuntimeError("the engine thread is not running")
+        rid = request_id or f"req-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        self._sinks[rid] = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
+        self._send(("add", rid, list(prompt_ids), params))
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # the reader went away (client disconnect, cancelled task): free its blocks
+                self._send(("abort", rid))
+
+    def _send(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---- the engine thread ---------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            if not engine.has_unfinished_requests():
+                self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            self._take_commands()
+            if not engine.has_unfinished_requests():
+                self.snapshot = self._snapshot()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
+                traceback.print_exc()
+                self._fail_all(RuntimeError(f"the engine failed a step: {type(e).__name__}: {e}"))
+                continue
+            now = self.clock()
+            for out in outputs:
+                self._deliver(out, now)
+            self.metrics.steps += 1
+            if len(engine.history) > 2 * self.history_limit:
+                del engine.history[:-self.history_limit]
+            self.snapshot = self._snapshot()
+        self._fail_all(RuntimeError("the server stopped before this request finished"))
+
+    def _take_commands(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, rid, ids, params = command
+                try:
+                    self.engine.add_request(ids, params, rid)
+                except Exception as e:  # checked before queueing, so rare: a race with another's id
+                    self._emit(rid, e)
+                    continue
+            else:
+                _, rid = command
+                req = self.engine.requests.get(rid)
+                if req is None:
+                    continue
+                self.engine.abort(rid)
+                self.engine.requests.pop(rid, None)
+                self._sinks.pop(rid, None)
+                self.metrics.on_finish(req, "abort", self.clock())
+
+    def _deliver(self, out, now: float) -> None:
+        rid = out.request_id
+        req = self.engine.requests[rid]
+        delta = Delta(rid, list(out.new_token_ids), out.new_text, out.finish_reason)
+        if out.finished:
+            self.engine.requests.pop(rid, None)
+            delta.prompt_tokens, delta.output_tokens = req.num_prompt_tokens, len(req.output_token_ids)
+            delta.cached_tokens = req.num_cached_tokens
+            self.metrics.on_finish(req, out.finish_reason, now)
+        self._emit(rid, delta)
+        if out.finished:
+            self._sinks.pop(rid, None)
+
+    def _emit(self, rid: str, item: Delta | BaseException) -> None:
+        sink = self._sinks.get(rid)
+        if sink is not None:
+            try:
+                sink(item)
+            except RuntimeError:  # the handler's event loop is gone
+                self._sinks.pop(rid, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._sinks):
+            req = self.engine.requests.get(rid)
+            if req is not None and not req.finished:
+                try:
+                    self.engine.abort(rid)
+                except Exception:
+                    pass
+            self.engine.requests.pop(rid, None)
+            self._emit(rid, error)
+            self._sinks.pop(rid, None)
+
+    def _snapshot(self) -> dict[str, float]:
+        """The gauges /metrics reports, read in the engine thread between steps (a consistent view)."""
+        e = self.engine
+        s = e.scheduler
+        return dict(running=len(s.running), waiting=len(s.waiting), blocks_used=e.cache.pool.num_used,
+                    blocks_total=e.cache.num_blocks, prefix_queried_tokens=s.prefix_queried_tokens,
+                    prefix_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions)
