@@ -216,6 +216,23 @@ def read_summary(path: str | Path) -> tuple[dict[str, str], list[dict]]:
     return read_header(path), rows
 
 
+def read_requests(path: str | Path) -> list[dict]:
+    """The per-request rows beside a summary CSV, numbers as floats (a one-token request's TPOT is None)."""
+    lines = [ln for ln in requests_path(path).read_text().splitlines() if not ln.startswith("#")]
+    return [{k: (v if k == "system" else None if v == "" else float(v)) for k, v in r.items()}
+            for r in csv.DictReader(lines)]
+
+
+def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -> dict[tuple[str, float], float]:
+    """Each (system, rate)'s goodput recomputed from its requests under another SLO (same runs, same durations)."""
+    duration = {(r["system"], r["rate"]): r["duration_s"] for r in summary}
+    good: dict[tuple[str, float], int] = dict.fromkeys(duration, 0)
+    for r in requests:
+        met = r["ttft_s"] <= slo.ttft_s and (r["tpot_s"] is None or r["tpot_s"] <= slo.tpot_s)
+        good[(r["system"], r["rate"])] += met
+    return {k: good[k] / duration[k] for k in duration}
+
+
 def print_table(rows: Sequence[dict]) -> None:
     print(f"{'system':18} {'rate':>5} {'req/s':>6} {'goodput':>7} {'ttft p50':>8} {'ttft p99':>8} {'tpot p50':>8} "
           f"{'tpot p99':>8} {'e2e p50':>8}")

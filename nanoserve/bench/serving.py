@@ -131,3 +131,10 @@ def serving_metrics(timings: Sequence[RequestTiming], slo: SLO = SLO()) -> Servi
         tpot=_stats([t.tpot for t in timings if t.tpot is not None]),
         itl=_stats([gap for t in timings for gap in t.itl]),
         e2e=_stats([t.latency for t in timings]))
+
+
+def goodput_knee(rates: Sequence[float], goodputs: Sequence[float], fraction: float = 0.9) -> float | None:
+    """Where a system saturates: the highest finite offered rate whose goodput is still at least `fraction` of
+    it (None if even the lowest misses). Past the knee, requests arrive faster than they are served in SLO."""
+    ok = [r for r, g in zip(rates, goodputs) if math.isfinite(r) and g >= fraction * r]
+    return max(ok) if ok else None

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nanoserve.bench.serving import SLO, arrival_times, percentile, serving_metrics
+from nanoserve.bench.serving import SLO, arrival_times, goodput_knee, percentile, serving_metrics
 from nanoserve.bench.timing import RequestTiming
 
 
@@ -84,3 +84,10 @@ def test_no_requests_or_no_time_is_refused():
         serving_metrics([])
     with pytest.raises(ValueError, match="duration"):
         serving_metrics([RequestTiming(1.0, (1.0,), 1.0)])
+
+
+def test_the_knee_is_the_highest_rate_still_served_within_the_slo():
+    rates = [0.5, 1.0, 2.0, 3.0, math.inf]
+    assert goodput_knee(rates, [0.5, 0.98, 1.85, 1.2, 1.0]) == 2.0
+    assert goodput_knee(rates, [0.1, 0.1, 0.1, 0.1, 0.1]) is None
+    assert goodput_knee(rates, [0.5, 0.98, 1.85, 1.2, 1.0], fraction=0.95) == 1.0
