@@ -332,3 +332,45 @@ def run(args: argparse.Namespace) -> int:
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
+
+
+class ServerThread:
+    """A server on loopback in a background thread of this process, for notebooks and tests:
+
+        with ServerThread(build_app(...)) as srv:
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.url = f"http://{host}:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="nanoserve-http", daemon=True)
+
+    def start(self, timeout: float = 60) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60) -> None:
+        """Shut down as uvicorn does on a signal: stop accepting, drain, stop the engine thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -6,22 +6,18 @@ leaves the pool whole."""
 import asyncio
 import json
 import re
-import threading
 import time
 from types import SimpleNamespace
 
 import httpx
+import openai
 import pytest
 
 from nanoserve import SamplingParams, generate
-from nanoserve.bench.arrivals import free_port
 from nanoserve.bench.engine import ragged_workload
 from nanoserve.engine import LLMEngine, SchedulerConfig
 from nanoserve.server import AsyncEngine
-from nanoserve.server.app import build_app
-
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+from nanoserve.server.app import ServerThread, build_app
 
 NAME = "smollm2-test"
 
@@ -31,19 +27,10 @@ def server(model, tok):
     engine = LLMEngine(model, tok, config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
                        num_blocks=600)
     ae = AsyncEngine(engine)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(build_app(ae, tok, NAME), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started, "the server did not start"
-    url = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(url=url, engine=ae, client=openai.OpenAI(base_url=url + "/v1", api_key="none",
-                                                                    max_retries=0))
-    srv.should_exit = True
-    thread.join(30)
+    with ServerThread(build_app(ae, tok, NAME)) as srv:
+        yield SimpleNamespace(url=srv.url, engine=ae, client=openai.OpenAI(base_url=srv.url + "/v1", api_key="none",
+                                                                            max_retries=0))
+    assert not ae.is_running  # shutting down stopped the engine thread
 
 
 def wait_idle(ae: AsyncEngine, timeout: float = 30) -> None:
