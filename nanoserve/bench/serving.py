@@ -133,8 +133,9 @@ def serving_metrics(timings: Sequence[RequestTiming], slo: SLO = SLO()) -> Servi
         e2e=_stats([t.latency for t in timings]))
 
 
-def goodput_knee(rates: Sequence[float], goodputs: Sequence[float], fraction: float = 0.9) -> float | None:
-    """Where a system saturates: the highest finite offered rate whose goodput is still at least `fraction` of
-    it (None if even the lowest misses). Past the knee, requests arrive faster than they are served in SLO."""
-    ok = [r for r, g in zip(rates, goodputs) if math.isfinite(r) and g >= fraction * r]
+def goodput_knee(rates: Sequence[float], met: Sequence[float], fraction: float = 0.9) -> float | None:
+    """Where a system saturates: the highest finite offered rate at which at least `fraction` of the requests
+    still met the SLO (`met`: each rate's good / completed); None if even the lowest rate misses. Past the
+    knee, requests arrive faster than they are served within the SLO."""
+    ok = [r for r, m in zip(rates, met) if math.isfinite(r) and m >= fraction]
     return max(ok) if ok else None

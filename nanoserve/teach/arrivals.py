@@ -32,7 +32,7 @@ def draw_vs_rate(ax, rows: Sequence[dict], key: str, systems: Sequence[str] | No
         pts = sorted((_x(r["rate"], finite), r[key] * scale) for r in rows if r["system"] == s)
         ax.plot(*zip(*pts), "o-", color=COLORS.get(s), label=s)
     if diagonal and finite:
-        ax.plot(finite, finite, ":", color="gray", label="every request in SLO")
+        ax.plot(finite, finite, ":", color="gray", label="the offered rate")
     ticks = [_x(r, finite) for r in sorted({r["rate"] for r in rows}, key=lambda r: (math.isinf(r), r))]
     ax.set_xticks(ticks, [f"{t:g}" if math.isfinite(t) else "all at once"
                           for t in sorted({r["rate"] for r in rows}, key=lambda r: (math.isinf(r), r))])

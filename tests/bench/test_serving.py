@@ -88,6 +88,6 @@ def test_no_requests_or_no_time_is_refused():
 
 def test_the_knee_is_the_highest_rate_still_served_within_the_slo():
     rates = [0.5, 1.0, 2.0, 3.0, math.inf]
-    assert goodput_knee(rates, [0.5, 0.98, 1.85, 1.2, 1.0]) == 2.0
-    assert goodput_knee(rates, [0.1, 0.1, 0.1, 0.1, 0.1]) is None
-    assert goodput_knee(rates, [0.5, 0.98, 1.85, 1.2, 1.0], fraction=0.95) == 1.0
+    assert goodput_knee(rates, [1.0, 0.95, 0.92, 0.4, 0.1]) == 2.0
+    assert goodput_knee(rates, [0.5, 0.5, 0.1, 0.0, 1.0]) is None  # all at once is not a rate
+    assert goodput_knee(rates, [1.0, 0.95, 0.92, 0.4, 0.1], fraction=0.95) == 1.0

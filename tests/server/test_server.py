@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from nanoserve import SamplingParams, generate
+from nanoserve import LLM, SamplingParams, generate
 from nanoserve.bench.engine import ragged_workload
 from nanoserve.engine import LLMEngine, SchedulerConfig
 from nanoserve.server import AsyncEngine
@@ -63,15 +63,16 @@ def test_models_and_health(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_completion_is_the_text_generate_gives(server, model, tok):
+def test_completion_is_the_text_llm_generate_gives(server, model_dir, tok):
     prompt = "The capital of France is"
-    alone = generate(model, tok.encode(prompt), SamplingParams(temperature=0, max_tokens=16), tok)
+    offline = LLM(model_dir, num_blocks=64).generate(prompt, SamplingParams(temperature=0, max_tokens=16),
+                                                     use_tqdm=False)[0].outputs[0]
     r = server.client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0)
-    assert r.choices[0].text == alone.text and r.choices[0].finish_reason == "length"
+    assert r.choices[0].text == offline.text and r.choices[0].finish_reason == "length"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(tok.encode(prompt)), 16)
     chunks = list(server.client.completions.create(model=NAME, prompt=prompt, max_tokens=16, temperature=0,
                                                    stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == alone.text
+    assert "".join(c.choices[0].text for c in chunks) == offline.text
     assert [c.choices[0].finish_reason for c in chunks][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
 
