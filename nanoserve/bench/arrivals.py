@@ -10,6 +10,8 @@ Each system replays the same trace on the wall clock, one after another in this 
                        called over loopback by streaming HTTP clients, timed at the client
     transformers-cb    transformers' continuous batching manager (its own background thread), each
                        request added at its arrival, token times from its own timestamps
+    transformers-serve `transformers serve --continuous-batching` (a subprocess), the same manager behind
+                       its OpenAI-compatible HTTP server, called and timed as nanoserve-server is
 
 A request's clock starts at its scheduled arrival, so a system that is late to admit it pays in TTFT.
 Two CSVs: one summary row per (system, rate) (`--out`), one row per request beside it (`-requests`).
@@ -40,7 +42,7 @@ from .serving import SLO, ServingMetrics, arrival_times, serving_metrics
 from .timing import RequestTiming
 
 CSV_PATH = "data/bench-arrivals.csv"
-SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb")
+SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transformers-serve")
 RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 
@@ -111,12 +113,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 120) -> subprocess.Popen:
-    """`python -m nanoserve serve` in a subprocess, returned once /health answers."""
+def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 180,
+                 command: Sequence[str] | None = None) -> subprocess.Popen:
+    """A server in a subprocess (`python -m nanoserve serve` unless `command` says otherwise), returned once
+    its /health answers."""
     import httpx
 
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = list(command or [sys.executable, "-m", "nanoserve", "serve", "--port", str(port)]) + list(extra)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -131,30 +135,56 @@ def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 120) -
     raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
-async def _stream_one(client, url: str, model: str, prompt: list[int], max_tokens: int, send_at: float,
+def transformers_serve_command(port: int, model_dir: str | Path) -> list[str]:
+    """`transformers serve` with its continuous batching, on loopback, the model preloaded."""
+    exe = Path(sys.executable).with_name("transformers")
+    return [str(exe), "serve", "--continuous-batching", "--host", "127.0.0.1", "--port", str(port), str(model_dir)]
+
+
+async def _stream_one(client, url: str, body: dict, send_at: float,
                       clock=time.perf_counter) -> tuple[float, list[float], float, list[int]]:
-    """One streaming completion sent at `send_at` (clock reading); returns (start, token times, end, token ids)."""
+    """One streaming completion sent at `send_at` (clock reading); returns (start, token times, end, token ids).
+    A chunk's tokens are stamped when it arrives. Where the server sends text but no ids (transformers serve),
+    each chunk with text is one token, and the final usage count says whether a last one came without text."""
     await asyncio.sleep(max(0.0, send_at - clock()))
-    body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True,
-                return_token_ids=True)
-    times, ids = [], []
+    times, ids, used = [], [], None
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"server answered {resp.status_code}: {(await resp.aread())[:300]!r}")
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[6:])
-            new = chunk["choices"][0].get("token_ids") or []
             now = clock()
-            times += [now] * len(new)
-            ids += new
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                used = chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices"):
+                continue
+            c = chunk["choices"][0]
+            if "token_ids" in c:
+                times += [now] * len(c["token_ids"])
+                ids += c["token_ids"]
+            elif c.get("text"):
+                times.append(now)
+            if c.get("finish_reason") and used is not None and used > len(times):
+                times += [now] * (used - len(times))
     return send_at, times, clock(), ids
 
 
-def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan) -> Replay:
-    """Every request a streaming HTTP client sent at its arrival; timed where the client sees the tokens."""
+def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
+                  system: str = "nanoserve-server", tok=None) -> Replay:
+    """Every request a streaming HTTP client sent at its arrival; timed where the client sees the tokens.
+    nanoserve's server takes token ids and ignore_eos; transformers serve takes text (the prompt decoded) and
+    EOS turned off through its generation_config field."""
     import httpx
+
+    def body(i: int, model: str) -> dict:
+        if system == "nanoserve-server":
+            return dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0,
+                        ignore_eos=True, stream=True, return_token_ids=True)
+        config = json.dumps(dict(do_sample=False, eos_token_id=-1, max_new_tokens=w.max_tokens[i]))
+        return dict(model=model, prompt=tok.decode(w.prompts[i]), max_tokens=w.max_tokens[i], temperature=0,
+                    stream=True, generation_config=config)
 
     async def main() -> list[tuple[float, list[float], float, list[int]]]:
         limits = httpx.Limits(max_connections=len(arrivals) + 1, max_keepalive_connections=len(arrivals) + 1)
@@ -163,12 +193,12 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
             model = models["data"][0]["id"]
             t0 = time.perf_counter()
             url = f"http://127.0.0.1:{port}/v1/completions"
-            return await asyncio.gather(*[_stream_one(client, url, model, w.prompts[i], w.max_tokens[i], t0 + a)
+            return await asyncio.gather(*[_stream_one(client, url, body(i, model), t0 + a)
                                           for i, a in enumerate(arrivals)])
 
     results = asyncio.run(main())
     timings = [RequestTiming(start, tuple(times), end) for start, times, end, _ in results]
-    return Replay("nanoserve-server", rate, timings, [ids for *_, ids in results])
+    return Replay(system, rate, timings, [ids for *_, ids in results])
 
 
 # ---- CSVs ----------------------------------------------------------------------------------------------
@@ -311,13 +341,18 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             del hf_model
         else:
             port = free_port()
-            proc = start_server(port, ["--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens",
-                                       str(config.max_num_batched_tokens)]
-                                + (["--threads", str(args.threads)] if args.threads else []))
+            if system == "nanoserve-server":
+                proc = start_server(port, ["--max-num-seqs", str(config.max_num_seqs), "--max-num-batched-tokens",
+                                           str(config.max_num_batched_tokens)]
+                                    + (["--threads", str(args.threads)] if args.threads else []))
+            else:
+                from ..model.fetch import ensure_model
+
+                proc = start_server(port, command=transformers_serve_command(port, ensure_model()))
             try:
-                replay_server(port, Workload("warm", w.prompts[:1], [2]), [0.0])
+                replay_server(port, Workload("warm", w.prompts[:1], [2]), [0.0], system=system, tok=tok)
                 for rate, trace in traces.items():
-                    replays.append(replay_server(port, w, trace, rate))
+                    replays.append(replay_server(port, w, trace, rate, system=system, tok=tok))
                     _report(replays[-1], slo)
             finally:
                 proc.terminate()
