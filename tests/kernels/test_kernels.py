@@ -196,6 +196,8 @@ def test_without_the_kernels_the_engine_runs_on_torch_ops(tiny_model, monkeypatc
         ModelRunner(tiny_model, cache, attention="compiled")
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
         kernels.silu_mul(torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
+        kernels.paged_attention(**attention_case())
 
 
 def test_the_environment_switch_turns_them_off_quietly(monkeypatch):
@@ -351,3 +353,21 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(compiled, split_k
 def test_split_keys_must_not_be_negative(compiled):
     with pytest.raises(RuntimeError, match="split_keys: expected 0 .never split. or a piece size, got -1"):
         kernels.paged_attention(**attention_case(), split_keys=-1)
+
+
+def test_split_k_steps_agree_with_torch_ops_steps_and_keep_rows_invariant(compiled):
+    """Decode rows past SPLIT_KEYS keys take split-K inside real steps: the same logits as torch's ops to fp32
+    rounding, and a long row's bits the same alone as beside others."""
+    from nanoserve.config import ModelConfig
+    from nanoserve.model import Llama
+
+    model = Llama.random(ModelConfig.tiny(max_position_embeddings=2048), seed=3)
+    g = torch.Generator().manual_seed(0)
+    long_a, short, long_b = (torch.randint(3, 250, (n,), generator=g).tolist()
+                             for n in (kernels.SPLIT_KEYS + 150, 30, kernels.SPLIT_KEYS - 2))
+    prompts = [long_a, short, long_b]  # long_b crosses SPLIT_KEYS while it decodes
+    fast, ref = step_logits(model, prompts, 4, True), step_logits(model, prompts, 4, False)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
+    # batches of two or more rows: a batch of one runs the weight products' one-row kernel (model.matmul)
+    assert torch.equal(step_logits(model, [short, long_a], 4, True)[1], fast[0])
+    assert torch.equal(step_logits(model, [long_b, short], 4, True)[0], fast[2])
