@@ -2,8 +2,9 @@
 
     reference  gather each request's blocks, attend over the copy (the oracle; Day 18)
     torch      batched torch ops: decode rows in one gathered rectangle (Day 28)
-    compiled   one C++ loop that reads each request's keys where they lie (`kernels.paged_attention`);
-               a whole prompt, whose keys are all new, takes torch's fused causal kernel
+    compiled   one C++ loop that reads each request's keys where they lie (`kernels.paged_attention`;
+               a long decode row split into pieces over the cores); a whole prompt, whose keys are all
+               new, takes torch's fused causal kernel
 
 All three take the same `AttentionMetadata` and give each request the same answer to fp32
 rounding; each gives a request the same bits whatever else is in its step.

@@ -9,7 +9,8 @@ arithmetic in four calls:
     add_rms_norm     x + residual and its RMSNorm, one pass
     rope_            the q and k heads rotated in place
     silu_mul         silu(gate) * up
-    paged_attention  each query row over its request's keys, read where they lie in the pool
+    paged_attention  each query row over its request's keys, read where they lie in the pool; a long
+                     decode row split into pieces on several cores and merged (split-K)
 
 Each computes a row from that row's numbers only, so a row's result is the same whatever else
 is in the step. `model.ops` and `attention` call them where `enabled()` says so, and run
@@ -181,14 +182,23 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return _ext().silu_mul(gate_up)
 
 
+SPLIT_KEYS = 512
+"""Split-K's piece: a decode row with more keys than this is read in pieces of this many keys, one task each,
+merged in order (flash-decoding). A constant, so a row's pieces, and its bits, never depend on the batch or
+the thread count; a multiple of every block size the engine uses."""
+
+
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor, scale: float) -> Tensor:
+                    block_tables: Tensor, scale: float, split_keys: int | None = None) -> Tensor:
     """Each query row over its request's keys in the pool (see `attention.metadata`). q (N, H, D);
-    pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero."""
+    pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero.
+    split_keys: split-K's piece for long decode rows (None: SPLIT_KEYS; 0: never split)."""
     args = (q, k_pool, v_pool, query_start_loc, seq_lens, block_tables)
+    split_keys = SPLIT_KEYS if split_keys is None else split_keys
     if has_torch_function(args):
-        return handle_torch_function(paged_attention, args, *args, scale)
-    return _ext().paged_attention(q.contiguous(), k_pool, v_pool, query_start_loc, seq_lens, block_tables, scale)
+        return handle_torch_function(paged_attention, args, *args, scale, split_keys)
+    return _ext().paged_attention(q.contiguous(), k_pool, v_pool, query_start_loc, seq_lens, block_tables, scale,
+                                  split_keys)
 
 
 def _ext() -> ModuleType:

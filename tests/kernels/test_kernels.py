@@ -112,6 +112,9 @@ def test_paged_attention_case_runs(compiled):
     (dict(query_start_loc=lambda c: torch.tensor([0, 2, 2])), "request 1: no query rows"),
     (dict(q=lambda c: c["q"][:, :3]), "do not fit q's"),
     (dict(v_pool=lambda c: c["v_pool"][:5]), "k/v pools .* of one shape"),
+    (dict(block_tables=lambda c: c["block_tables"][:, :1].contiguous()), "request 0: sequence length 5 outside 1..4"),
+    (dict(block_tables=lambda c: c["block_tables"][:1]), "block_tables: expected contiguous int64 .2, W."),
+    (dict(block_tables=lambda c: c["block_tables"].t()), "block_tables: expected contiguous int64"),
 ])
 def test_paged_attention_refuses_bad_input_with_a_clear_error(compiled, change, match):
     case = attention_case()
@@ -193,6 +196,8 @@ def test_without_the_kernels_the_engine_runs_on_torch_ops(tiny_model, monkeypatc
         ModelRunner(tiny_model, cache, attention="compiled")
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
         kernels.silu_mul(torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
+        kernels.paged_attention(**attention_case())
 
 
 def test_the_environment_switch_turns_them_off_quietly(monkeypatch):
@@ -254,3 +259,127 @@ def test_build_dir_is_one_per_source_text_and_path(tmp_path):
     a.write_text("int f() { return 2; }")
     assert kernels.build_dir("k", a) != before
     assert kernels.build_dir("k", a) == kernels.build_dir("k", a)
+
+
+# ---- paged_attention against the reference gather, and split-K -------------------------------------------
+
+
+def ragged_case(lens, T, bs, H=6, K=2, D=32, seed=0, spare=3):
+    """Requests of `lens` tokens, request r's last T[r] of them as query rows, their blocks scattered over a
+    shuffled pool (`spare` blocks nobody owns), tables padded with block 0 past their end."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    n_blocks = sum(need) + spare
+    k_pool, v_pool = torch.randn(2, n_blocks, bs, K, D, generator=g)
+    perm = torch.randperm(n_blocks, generator=g)
+    W = max(need)
+    tables = torch.zeros(len(lens), W, dtype=torch.long)
+    at = 0
+    for r, n in enumerate(need):
+        tables[r, :n] = perm[at: at + n]
+        at += n
+    qsl = torch.tensor([0] + list(torch.tensor(T).cumsum(0).tolist()))
+    q = torch.randn(int(qsl[-1]), H, D, generator=g)
+    return dict(q=q, k_pool=k_pool, v_pool=v_pool, query_start_loc=qsl, seq_lens=torch.tensor(lens),
+                block_tables=tables, scale=D**-0.5)
+
+
+def gathered(case):
+    """The reference read (Day 18): each request's blocks gathered into a copy, then SDPA over it."""
+    from nanoserve.attention.reference import gather_blocks, prefix_attention
+
+    q, qsl = case["q"], case["query_start_loc"].tolist()
+    out = []
+    for r, n in enumerate(case["seq_lens"].tolist()):
+        s, e = qsl[r], qsl[r + 1]
+        kc, vc = gather_blocks(case["k_pool"], case["v_pool"], case["block_tables"][r], n)
+        out.append(prefix_attention(q[None, s:e], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], n - (e - s))[0])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("bs", [1, 16, 256])
+@pytest.mark.parametrize("split_keys", [0, 7, 64])
+def test_paged_attention_is_the_reference_gather(compiled, bs, split_keys):
+    """Ragged requests, contexts not a multiple of the block, decode rows, chunks after cached context and whole
+    prompts in one call; with split-K off, and with pieces that do not divide the contexts or the blocks."""
+    lens, T = [1, 37, 300, 5, 129, 17, 200], [1, 1, 1, 5, 20, 3, 1]
+    case = ragged_case(lens, T, bs, seed=bs + split_keys)
+    out = kernels.paged_attention(**case, split_keys=split_keys)
+    torch.testing.assert_close(out, gathered(case), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("H, K, D", [(4, 4, 16), (9, 3, 64), (8, 1, 20)])
+def test_paged_attention_takes_any_grouping_and_head_dim(compiled, H, K, D):
+    """MHA, SmolLM2's 9-over-3 grouping, one kv head for all; a head_dim that is not a multiple of the vector."""
+    case = ragged_case([70, 3, 45], [1, 3, 6], 16, H=H, K=K, D=D, seed=H * D)
+    for split_keys in (0, 16):
+        torch.testing.assert_close(kernels.paged_attention(**case, split_keys=split_keys), gathered(case),
+                                   atol=2e-6, rtol=1e-5)
+
+
+def test_split_k_takes_decode_rows_longer_than_one_piece_only(compiled):
+    """A row of at most split_keys keys, and any row with several queries, runs the unsplit loops: same bits."""
+    case = ragged_case([64, 65, 200], [1, 1, 4], 16, seed=4)
+    whole, split = (kernels.paged_attention(**case, split_keys=s) for s in (0, 64))
+    assert torch.equal(split[0], whole[0]) and torch.equal(split[2:], whole[2:])  # 64 keys; a chunk of 4
+    assert not torch.equal(split[1], whole[1])  # 65 keys: two pieces, merged (equal to rounding, not to the bit)
+    torch.testing.assert_close(split[1], whole[1], atol=2e-6, rtol=1e-5)
+
+
+def test_the_default_piece_is_split_keys(compiled):
+    case = ragged_case([kernels.SPLIT_KEYS * 2 + 33], [1], 16, seed=5)
+    assert torch.equal(kernels.paged_attention(**case), kernels.paged_attention(**case, split_keys=kernels.SPLIT_KEYS))
+
+
+def one_request(case, r):
+    """Request r of a case on its own: its rows, its length, its table."""
+    qsl = case["query_start_loc"]
+    s, e = int(qsl[r]), int(qsl[r + 1])
+    return dict(case, q=case["q"][s:e], query_start_loc=torch.tensor([0, e - s]), seq_lens=case["seq_lens"][r:r + 1],
+                block_tables=case["block_tables"][r:r + 1])
+
+
+@pytest.mark.parametrize("split_keys", [0, 48])
+def test_a_rows_bits_do_not_depend_on_the_batch_or_the_threads(compiled, split_keys):
+    """Batch invariance, split-K included: pieces are fixed by a row's own length, merged in a fixed order."""
+    lens, T = [500, 3, 97, 260, 1, 33], [1, 1, 1, 4, 1, 2]
+    case = ragged_case(lens, T, 16, seed=6)
+    qsl = case["query_start_loc"].tolist()
+    threads = torch.get_num_threads()
+    try:
+        runs = []
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            runs.append(kernels.paged_attention(**case, split_keys=split_keys))
+            for r in range(len(lens)):
+                alone = kernels.paged_attention(**one_request(case, r), split_keys=split_keys)
+                assert torch.equal(alone, runs[-1][qsl[r]:qsl[r + 1]]), (n, r)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(runs[0], other) for other in runs[1:])
+    padded = dict(case, q=torch.cat([case["q"], torch.randn(3, *case["q"].shape[1:])]))  # padding rows after
+    out = kernels.paged_attention(**padded, split_keys=split_keys)
+    assert torch.equal(out[:qsl[-1]], runs[0]) and not out[qsl[-1]:].any()
+
+
+def test_split_keys_must_not_be_negative(compiled):
+    with pytest.raises(RuntimeError, match="split_keys: expected 0 .never split. or a piece size, got -1"):
+        kernels.paged_attention(**attention_case(), split_keys=-1)
+
+
+def test_split_k_steps_agree_with_torch_ops_steps_and_keep_rows_invariant(compiled):
+    """Decode rows past SPLIT_KEYS keys take split-K inside real steps: the same logits as torch's ops to fp32
+    rounding, and a long row's bits the same alone as beside others."""
+    from nanoserve.config import ModelConfig
+    from nanoserve.model import Llama
+
+    model = Llama.random(ModelConfig.tiny(max_position_embeddings=2048), seed=3)
+    g = torch.Generator().manual_seed(0)
+    long_a, short, long_b = (torch.randint(3, 250, (n,), generator=g).tolist()
+                             for n in (kernels.SPLIT_KEYS + 150, 30, kernels.SPLIT_KEYS - 2))
+    prompts = [long_a, short, long_b]  # long_b crosses SPLIT_KEYS while it decodes
+    fast, ref = step_logits(model, prompts, 4, True), step_logits(model, prompts, 4, False)
+    torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
+    # batches of two or more rows: a batch of one runs the weight products' one-row kernel (model.matmul)
+    assert torch.equal(step_logits(model, [short, long_a], 4, True)[1], fast[0])
+    assert torch.equal(step_logits(model, [long_b, short], 4, True)[0], fast[2])

@@ -94,9 +94,10 @@ inline float sum_of(const float* x, int64_t n) {
 // of `scores` (row h at scores + h * stride): each row's softmax in place, then out (head h at out + h * D)
 // = sum over keys l, in order, of p[h][l] * value row l of the head's kv head ((h_first + h) / rep), LANES
 // numbers of d at a time. Key l's value slot starts at vd + at[l]; one read of it serves up to
-// HEADS_AT_ONCE heads.
+// HEADS_AT_ONCE heads. With m_out/l_out (a piece of a split row) each head's max and sum of e^(s - max)
+// go there and out keeps the sums unnormalised: the online softmax's state (m, l, acc) of Day 22.
 void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t h_first, int64_t rep, int64_t D,
-                const float* vd, const int64_t* at, float* out) {
+                const float* vd, const int64_t* at, float* out, float* m_out = nullptr, float* l_out = nullptr) {
   float inv[HEADS_AT_ONCE];
   const float* p[HEADS_AT_ONCE];
   for (int64_t h0 = 0; h0 < heads; h0 += HEADS_AT_ONCE) {
@@ -106,7 +107,12 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
       float* row = scores + (h0 + h) * stride;
       const float mx = max_of(row, n);
       for (int64_t l = 0; l < n; ++l) row[l] = fast_exp(row[l] - mx);
-      inv[h] = 1.0f / sum_of(row, n);
+      const float sum = sum_of(row, n);
+      inv[h] = m_out ? 1.0f : 1.0f / sum;
+      if (m_out) {
+        m_out[h0 + h] = mx;
+        l_out[h0 + h] = sum;
+      }
       p[h] = row;
       kv[h] = ((h_first + h0 + h) / rep) * D;
     }
@@ -128,6 +134,18 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
           for (int64_t j = 0; j < dn; ++j) out[(h0 + h) * D + d0 + j] = acc[j] * inv[h];
         }
       }
+    }
+  }
+}
+
+// Scores of `heads` query heads of one query (row at qrow, head h at qrow + h * D) over n keys whose slots
+// start at kd + at[l], key by key (each slot read once): scores[h * n + l].
+void decode_scores(const float* qrow, const float* kd, const int64_t* at, int64_t n, int64_t heads, int64_t h_first,
+                   int64_t rep, int64_t D, float scale, float* scores) {
+  for (int64_t l = 0; l < n; ++l) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
+      scores[h * n + l] = dot(qrow + h * D, k, D) * scale;
     }
   }
 }
@@ -226,17 +244,68 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+namespace {
+
+// Split-K for decode rows (flash-decoding): the keys of request r (one query) are cut into pieces of P keys,
+// and each piece is a task that leaves, for every query head, the piece's online-softmax state: max m, sum l
+// of e^(s - m), and the unnormalised value sum acc (each key slot read once). Then each (row, head) merges its
+// pieces in order: M = the largest m, out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M). The pieces
+// depend on the row's own length only, never on the batch or the thread count, and so do its bits.
+void split_decode(const std::vector<int64_t>& rows, const float* qd, const float* kd, const float* vd, float* od,
+                  const int64_t* lens, const int64_t* qsl, const int64_t* tables, int64_t W, int64_t BS, int64_t H,
+                  int64_t K, int64_t D, float scale, int64_t P) {
+  const int64_t R = static_cast<int64_t>(rows.size()), rep = H / K;  // rep query heads share each kv head
+  std::vector<int64_t> first(R + 1, 0);  // row s's pieces are first[s] .. first[s+1]-1
+  for (int64_t s = 0; s < R; ++s) first[s + 1] = first[s] + (lens[rows[s]] + P - 1) / P;
+  const int64_t pieces = first[R];
+  std::vector<float> acc(pieces * H * D), m(pieces * H), l(pieces * H);  // (piece, head, ...)
+  at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(H * P);
+    std::vector<int64_t> at(P);
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t s = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
+      const int64_t r = rows[s], l0 = (piece - first[s]) * P, n = std::min(P, lens[r] - l0);
+      for (int64_t j = 0; j < n; ++j) at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
+      decode_scores(qd + qsl[r] * H * D, kd, at.data(), n, H, 0, rep, D, scale, scores.data());
+      value_sums(scores.data(), n, n, H, 0, rep, D, vd, at.data(), acc.data() + piece * H * D, m.data() + piece * H,
+                 l.data() + piece * H);
+    }
+  });
+  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / H, h = task % H;
+      float M = m[first[s] * H + h], L = 0.f;
+      for (int64_t p = first[s] + 1; p < first[s + 1]; ++p) M = std::max(M, m[p * H + h]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t p = first[s]; p < first[s + 1]; ++p) {  // in order: the same sums whatever ran where
+        const float c = fast_exp(m[p * H + h] - M);
+        L += l[p * H + h] * c;
+        const float* a = acc.data() + (p * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * c;
+      }
+      const float inv = 1.0f / L;
+      float* dst = od + (qsl[rows[s]] * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
+    }
+  });
+}
+
+}  // namespace
+
 // Attention of a step's query tokens over their requests' keys, read where they lie in the paged pool:
 // no gather, no mask. A step is a flat list of N query rows from R requests; request r owns rows
 // query_start_loc[r] .. query_start_loc[r+1]-1, the last T_r of its seq_lens[r] tokens (a whole prompt,
 // a chunk after cached context, or one decode token). Its query i sits at position seq_lens[r] - T_r + i
 // and attends over keys 0..that position, key l in block block_tables[r][l / block_size]. Rows past
 // query_start_loc[R] are padding and come out zero.
+// A decode row with more than split_keys keys (split_keys > 0) is split-K (flash-decoding): its keys are cut
+// into pieces of split_keys, each piece a task of its own, and the pieces' softmax states merged in order.
 // q (N, H, D); k_pool/v_pool (blocks, block_size, K, D); query_start_loc (R+1,), seq_lens (R,),
 // block_tables (R, W): int64. Returns (N, H*D).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale) {
+                              double scale, int64_t split_keys) {
   check_f32(q, "q");
   check_f32(k_pool, "k_pool");
   check_f32(v_pool, "v_pool");
@@ -257,8 +326,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
+  TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
   constexpr int64_t TILE = 16;  // queries of one request handled by one task
   std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query)
+  std::vector<int64_t> split;                 // decode requests whose keys are read in pieces (split-K)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t T = qsl[r + 1] - qsl[r];
     TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
@@ -267,6 +338,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
                   " is not in the pool of ", NB);
+    if (T == 1 && split_keys > 0 && lens[r] > split_keys) {
+      split.push_back(r);
+      continue;
+    }
     for (int64_t i = 0; i < T; i += TILE) tiles.push_back({r, i, std::min(T, i + TILE)});
   }
   // at::parallel_for hands each thread one contiguous run of tasks; a tile's work grows with its keys, so
@@ -306,12 +381,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
       if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
         const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
         scores.resize(heads * n_max);
-        for (int64_t l = 0; l < n_max; ++l) {
-          for (int64_t h = 0; h < heads; ++h) {
-            const float* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
-            scores[h * n_max + l] = dot(qd + (row * H + h_first + h) * D, k, D) * fscale;
-          }
-        }
+        decode_scores(qd + (row * H + h_first) * D, kd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
         value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
         continue;
       }
@@ -348,6 +418,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
       }
     }
   });
+  if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
   return out;
 }
 
@@ -355,5 +426,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
   m.def("rope_", &rope_, "rotate the first heads of qkv in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys");
+  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
 }
