@@ -28,8 +28,8 @@ from .sampling import Sampler, SamplingParams
 from .stopping import StopChecker
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["Proposal", "SpecConfig", "SpecStats", "SpecStep", "propose", "speculative_generate",
-           "stream_speculative"]
+__all__ = ["Proposal", "SpecConfig", "SpecStats", "SpecStep", "expected_tokens_per_forward", "propose",
+           "speculative_generate", "stream_speculative"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,18 @@ def propose(tokens: Sequence[int], k: int, max_ngram: int = 3, min_ngram: int = 
     if best < min_ngram or k < 1:
         return None
     return Proposal(best, best_end - best + 1, tokens[best_end + 1:best_end + 1 + k])
+
+
+def expected_tokens_per_forward(alpha: float, k: int) -> float:
+    """Tokens one verify step yields if each draft token is right with probability alpha, independently
+    (Leviathan et al., 2023): 1 + alpha + ... + alpha^k. The bonus token is the 1; k+1 at alpha = 1.
+
+    >>> expected_tokens_per_forward(0.5, 2)
+    1.75
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    return float(sum(alpha ** i for i in range(k + 1)))
 
 
 @dataclass(frozen=True)
