@@ -48,3 +48,11 @@ def test_time_steps_leaves_the_pool_as_it_found_it(tiny_model):
     clock = itertools.count(0.0, 0.5).__next__
     out = time_steps(tiny_model, context=5, rows=[1, 3], reps=2, clock=clock)
     assert out == {1: 0.5, 3: 0.5}
+
+
+def test_the_command_is_registered_with_its_defaults():
+    from nanoserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "spec"])
+    assert (args.what, args.k, args.out, args.lookup_min, args.lookup_max) == ("spec", [3, 5, 8], "data/bench-spec.csv",
+                                                                                2, 3)
