@@ -3,6 +3,7 @@
     config, tokenizer, sampling, stopping, generate
                  a request's ends: settings, text, choosing tokens, when to stop, the loop
     llm          the offline API in vLLM's shapes: LLM(...).generate(prompts, SamplingParams(...))
+    spec         prompt-lookup speculative decoding: plain greedy's tokens in fewer forwards
     model/       the Llama decoder, its ops, its weight products, checkpoints
     kernels/     the compiled C++ kernels the model and attention call where they can
     kv/          where keys and values live: a contiguous cache, the paged pool's blocks and storage

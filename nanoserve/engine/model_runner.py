@@ -42,15 +42,16 @@ class ModelRunner:
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[Chunk]) -> Tensor:
-        """Run one step; logits (R, V) at each request's last new token, requests in order."""
+    def execute(self, chunks: Sequence[Chunk], all_rows: bool = False) -> Tensor:
+        """Run one step; logits (R, V) at each request's last new token, requests in order. `all_rows`:
+        logits (n, V) at every new token instead, as speculative decoding's verification reads them."""
         t0 = time.perf_counter()
         ids, md = prepare(chunks, self.cache.block_size, min_rows=2 if self.batch_invariant else 1)
         self.last_prepare_s = time.perf_counter() - t0
         with contextlib.nullcontext() if self.kernels else torch_ops():
             backend = PagedAttention(self.cache.storage, md, self.attention)
             h = self.model.hidden_states(ids[None], md.positions[None], backend)[0]  # (N, C)
-            rows = h[md.last_rows]  # (R, C): each request's last token
+            rows = h[:md.num_tokens] if all_rows else h[md.last_rows]  # (n or R, C)
             if len(rows) == 1 and len(ids) > 1:  # one request alone: the head runs the batch's product
                 return self.model.logits(F.pad(rows, (0, 0, 0, 1)))[:1]  # kernel, as its row in any batch would
             return self.model.logits(rows)

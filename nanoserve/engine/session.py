@@ -72,6 +72,23 @@ class PagedSession:
             raise RuntimeError("decode() before prefill(): there is no sequence to extend")
         return self._forward([token])
 
+    def extend(self, ids: list[int]) -> Tensor:
+        """Append several tokens in one step; logits (n, V) after each of them. Nothing is committed to the
+        prefix cache until `truncate` says how many of them stay (speculative decoding's verify step)."""
+        if self.table.num_tokens == 0:
+            raise RuntimeError("extend() before prefill(): there is no sequence to extend")
+        start = self.table.num_tokens
+        self.cache.append(self.table, ids)
+        logits = self.runner.execute([Chunk(ids, start, self.table.blocks)], all_rows=True)  # (n, V)
+        self.last_logits = None
+        return logits
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens (drop rejected drafts, free blocks they alone held), then
+        name the full blocks that remain."""
+        self.cache.truncate(self.table, num_tokens)
+        self.cache.commit(self.table)
+
     def _forward(self, new_ids: list[int]) -> Tensor:
         start = self.table.num_tokens
         self.cache.append(self.table, new_ids)  # slots for the new tokens (all or nothing)

@@ -11,7 +11,7 @@ request be admitted? whom to preempt?) without touching them.
     BlockPool     which blocks are free, how many users each block has
     BlockTable    one sequence: logical block i -> physical block, and its tokens
     BlockManager  sequence operations on the pool (vLLM's KVCacheManager, nano-vllm's
-                  BlockManager): match_prefix, append_slots, commit, fork, free
+                  BlockManager): match_prefix, append_slots, commit, truncate, fork, free
 
 A token at position p lives in slot `table.blocks[p // bs] * bs + p % bs`.
 
@@ -239,6 +239,19 @@ class BlockManager:
             h = hash_block(table.hashes[-1] if table.hashes else None, tokens)
             self.pool.prefix.insert(table.blocks[i], h, tokens)
             table.hashes.append(h)
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Forget the tokens past `num_tokens` (a speculative step's rejected drafts) and give back the
+        blocks only they used, tail first. Committed tokens stay: a named block's tokens cannot change."""
+        committed = len(table.hashes) * self.block_size
+        if not committed <= num_tokens <= table.num_tokens:
+            raise ValueError(f"truncate to {num_tokens} tokens: must lie between the {committed} committed "
+                             f"and the {table.num_tokens} held")
+        keep = self.blocks_needed(num_tokens)
+        for b in reversed(table.blocks[keep:]):
+            self.pool.free(b)
+        del table.blocks[keep:]
+        del table.token_ids[num_tokens:]
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A second sequence with the same history: shares every block (refcount + 1), copies nothing."""
