@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-COLORS = {"nanoserve-engine": "tab:blue", "nanoserve-server": "tab:green", "transformers-cb": "tab:orange"}
+COLORS = {"nanoserve-engine": "tab:blue", "nanoserve-server": "tab:green", "transformers-cb": "tab:orange",
+          "transformers-serve": "tab:red"}
 
 
 def draw_trace(ax, times: Sequence[float], title: str = "") -> None:
