@@ -318,7 +318,15 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     w = ragged_workload(tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
     replays: list[Replay] = []
+    extra = dict(slo=json.dumps(dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s)), requests=args.requests,
+                 burstiness=args.burstiness,
+                 scheduler=json.dumps(dict(max_num_seqs=config.max_num_seqs,
+                                           max_num_batched_tokens=config.max_num_batched_tokens)))
+    header = csv_header(command_line(argv), **extra)  # the machine line: its load when the run started
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for system in args.systems:
+        if replays:  # what is done so far is kept, should a later system fail or be stopped
+            write_csvs(args.out, replays, w, slo, header)
         print(f"{system} ...", flush=True)
         if system == "nanoserve-engine":
             engine = _warm_engine(model, tok, config, w)
@@ -357,12 +365,6 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             finally:
                 proc.terminate()
                 proc.wait(timeout=30)
-    extra = dict(slo=json.dumps(dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s)), requests=args.requests,
-                 burstiness=args.burstiness,
-                 scheduler=json.dumps(dict(max_num_seqs=config.max_num_seqs,
-                                           max_num_batched_tokens=config.max_num_batched_tokens)))
-    header = csv_header(command_line(argv), **extra)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_csvs(args.out, replays, w, slo, header)
     print("\n".join(header))
     print_table(read_summary(args.out)[1])
