@@ -39,11 +39,8 @@ _state: dict[str, object] = {}
 
 
 def build_name_and_flags() -> tuple[str, list[str]]:
-    """`kernels.build_flags` under this extension's own name; x86 builds add F16C (every AVX2 CPU has it)
-    to read the blocks' fp16 scales in one instruction."""
+    """`kernels.build_flags` (the vector unit torch uses, the same bits on each) under this extension's name."""
     name, flags = build_flags()
-    if "-mavx2" in flags:
-        flags = flags + ["-mf16c"]
     return name.replace("nanoserve_kernels", "nanoserve_quant"), flags
 
 

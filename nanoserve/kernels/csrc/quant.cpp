@@ -28,15 +28,17 @@ constexpr int64_t QK = 32;            // weights per block
 constexpr int64_t Q4_1_BYTES = 20;    // 2 + 2 + 16
 constexpr int64_t Q8_0_BYTES = 34;    // 2 + 32
 constexpr int64_t ROWS_PER_TASK = 16; // weight rows one thread takes at a time (their blocks stay in L1)
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+constexpr int64_t PREFETCH = PREFETCH_BYTES;  // how far ahead of the block in use its row's bytes are asked for
 
 enum class Fmt { Q4_1, Q8_0 };
 
-float fp16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
-#else
+// fp16 -> fp32 as a lookup in a table of all 65536 halves (256 KB, mostly in cache): one load that
+// broadcasts straight into a vector register, where a conversion instruction would compete with the
+// block's shuffles for the same port.
+float half_to_float(uint16_t h) {
   const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
   uint32_t bits;
   if (exp == 0x1f) {
@@ -45,7 +47,7 @@ float fp16(const uint8_t* p) {
     bits = sign | ((exp + 112) << 23) | (man << 13);
   } else if (man == 0) {
     bits = sign;
-  } else {  // subnormal half: a normal float
+  } else {  // a subnormal half is a normal float
     int e = -1;
     uint32_t m = man;
     do { ++e; m <<= 1; } while ((m & 0x400) == 0);
@@ -54,7 +56,18 @@ float fp16(const uint8_t* p) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
-#endif
+}
+
+struct HalfTable {
+  float value[65536];
+  HalfTable() { for (uint32_t h = 0; h < 65536; ++h) value[h] = half_to_float(static_cast<uint16_t>(h)); }
+};
+const HalfTable HALVES;
+
+inline const float* fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return &HALVES.value[h];
 }
 
 // The 32 sums s[0..31] added in one fixed tree: s[j] + s[j + 16], then halves of what is left.
@@ -89,12 +102,12 @@ inline void expand(const uint8_t* blk, __m512& w0, __m512& w1) {
   if constexpr (F == Fmt::Q4_1) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     // the block's 16 possible weights, d * q + m for q = 0..15, then each nibble looks its weight up
-    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(fp16(blk)), iota, _mm512_set1_ps(fp16(blk + 2)));
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(*fp16(blk)), iota, _mm512_set1_ps(*fp16(blk + 2)));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
     w0 = _mm512_permutexvar_ps(q, table);                         // uses bits 0-3 of each index: the low nibble
     w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);   // the high nibble
   } else {
-    const __m512 d = _mm512_set1_ps(fp16(blk));
+    const __m512 d = _mm512_set1_ps(*fp16(blk));
     const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
@@ -108,6 +121,7 @@ void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* 
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512 w0, w1;
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
     expand<F>(w + b * BYTES, w0, w1);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * ldx + b * QK;
@@ -125,7 +139,7 @@ template <Fmt F>
 inline void expand(const uint8_t* blk, __m256 w[4]) {
   const __m128i* qp = reinterpret_cast<const __m128i*>(blk + (F == Fmt::Q4_1 ? 4 : 2));
   if constexpr (F == Fmt::Q4_1) {
-    const __m256 d = _mm256_set1_ps(fp16(blk)), m = _mm256_set1_ps(fp16(blk + 2));
+    const __m256 d = _mm256_set1_ps(*fp16(blk)), m = _mm256_set1_ps(*fp16(blk + 2));
     const __m128i q = _mm_loadu_si128(qp), low = _mm_set1_epi8(15);
     const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
     w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
@@ -133,7 +147,7 @@ inline void expand(const uint8_t* blk, __m256 w[4]) {
     w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
     w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
   } else {
-    const __m256 d = _mm256_set1_ps(fp16(blk));
+    const __m256 d = _mm256_set1_ps(*fp16(blk));
     const __m128i q0 = _mm_loadu_si128(qp), q1 = _mm_loadu_si128(qp + 1);
     w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
     w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
@@ -150,6 +164,7 @@ void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* 
     for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256 wv[4];
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
     expand<F>(w + b * BYTES, wv);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * ldx + b * QK;
@@ -165,9 +180,9 @@ constexpr int TILE = 2;  // 8 accumulators and 4 weights of the 16 registers
 
 template <Fmt F>
 inline void expand(const uint8_t* blk, float wv[32]) {
-  const float d = fp16(blk);
+  const float d = *fp16(blk);
   if constexpr (F == Fmt::Q4_1) {
-    const float m = fp16(blk + 2);
+    const float m = *fp16(blk + 2);
     for (int j = 0; j < 16; ++j) {
       wv[j] = std::fma(d, static_cast<float>(blk[4 + j] & 15), m);
       wv[j + 16] = std::fma(d, static_cast<float>(blk[4 + j] >> 4), m);
