@@ -10,6 +10,7 @@
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
     bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
+    bench decode   decode tok/s on the GGUF's blocks vs fp32, transformers and llama.cpp (Day 25)
 
 Bad arguments get one line on stderr and exit code 2.
 """
@@ -30,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import batch, chunked, engine, paged, single
+    from .bench import batch, chunked, decode, engine, paged, single
     from .model import fetch
     from .teach import memory
 
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
     chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
+    decode.add_arguments(bsub.add_parser("decode", help="decode tok/s on the GGUF's blocks vs fp32 and llama.cpp"))
     return ap
 
 
@@ -80,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from .teach import memory
 
         return memory.run(args, argv)
-    from .bench import batch, chunked, engine, paged, single
+    from .bench import batch, chunked, decode, engine, paged, single
 
     runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
-            "chunked": chunked.run}
+            "chunked": chunked.run, "decode": decode.run}
     return runs[args.what](args, argv)
 
 
