@@ -84,6 +84,18 @@ def winners(rows: Sequence[Row]) -> dict[int, str]:
     return out
 
 
+def by_batch(rows: Sequence[Row]) -> dict[str, dict[int, float]]:
+    """nanoserve's tok/s per weights ("fp32", "gguf") per batch size, at the smallest context measured:
+    the two curves whose crossing says which weights to serve at which batch size."""
+    mine = [r for r in rows if r.engine == "nanoserve"]
+    ctx = min(r.context for r in mine)
+    out: dict[str, dict[int, float]] = {}
+    for r in sorted(mine, key=lambda r: r.batch):
+        if r.context == ctx:
+            out.setdefault(r.weights, {})[r.batch] = r.tok_s
+    return out
+
+
 # ---- the measurements ------------------------------------------------------------------------------------
 
 

@@ -21,6 +21,8 @@ def test_rows_divide_numbers_of_the_same_run():
     assert math.isclose(blocks.weight_gb_s, 10) and math.isclose(blocks.bandwidth_frac, 0.5)
     assert rows[("nanoserve", "fp32", 8)].tok_s == 160 and math.isnan(rows[("nanoserve", "gguf", 8)].vs_llama_cpp)
     assert decode.winners(list(rows.values())) == {1: "gguf", 8: "gguf", 32: "fp32"}
+    curves = decode.by_batch(list(rows.values()))
+    assert curves == {"fp32": {1: 25.0, 8: 160.0, 32: 400.0}, "gguf": {1: 100.0, 8: 200.0, 32: 320.0}}
 
 
 def test_the_csv_round_trips_with_its_header(tmp_path):
