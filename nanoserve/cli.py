@@ -10,6 +10,7 @@
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
     bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
+    bench decode   decode tok/s on the GGUF's blocks vs fp32, transformers and llama.cpp (Day 25)
     bench attention  one decode step's attention: the gather, torch ops, SDPA, the kernel, split-K (Days 23-24)
     bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
     bench spec     prompt-lookup speculative decoding vs plain decoding, copy-heavy and chat (Day 40)
@@ -34,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import arrivals, attention, batch, chunked, engine, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, decode, engine, paged, single, spec
     from .model import fetch
     from .server import app as server
     from .teach import memory
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
     chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
+    decode.add_arguments(bsub.add_parser("decode", help="decode tok/s on the GGUF's blocks vs fp32 and llama.cpp"))
     attention.add_arguments(bsub.add_parser("attention", help="one decode step's attention, every road (Days 23-24)"))
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
     spec.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
@@ -93,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         from .server import app as server
 
         return server.run(args)
-    from .bench import arrivals, attention, batch, chunked, engine, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, decode, engine, paged, single, spec
 
     runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
             "chunked": chunked.run, "arrivals": arrivals.run, "attention": attention.run,
-            "spec": spec.run}
+            "spec": spec.run, "decode": decode.run}
     return runs[args.what](args, argv)
 
 

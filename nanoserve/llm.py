@@ -53,13 +53,14 @@ class RequestOutput:
 class LLM:
     """A model, its tokenizer and one engine. `model`: a Hugging Face Llama checkpoint folder, or None for
     the fetched SmolLM2. The engine's knobs (max_num_seqs, max_num_batched_tokens, num_blocks, block_size,
-    prefix_caching) pass through as keywords."""
+    prefix_caching) pass through as keywords; `weights="gguf"` serves the GGUF's own blocks (see `load`)."""
 
     def __init__(self, model: str | Path | None = None, *, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, **engine_kwargs: Any):
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens, weights: str = "fp32",
+                 **engine_kwargs: Any):
         from . import load
 
-        self.model, self.tokenizer = load(model)
+        self.model, self.tokenizer = load(model, weights=weights)  # weights="gguf": the shipped blocks
         config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
         self.engine = LLMEngine(self.model, self.tokenizer, config=config, **engine_kwargs)
         self._ids = itertools.count()

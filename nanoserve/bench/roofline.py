@@ -194,6 +194,6 @@ class StepRoofline:
 def step_roofline(model: Llama, batch_size: int, context: int, peak_flops: float, bandwidth: float) -> StepRoofline:
     """The roofline point of one decode step at `batch_size` rows, each attending over `context` keys."""
     cfg = model.cfg
-    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.embed.element_size()
+    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
     return StepRoofline(batch_size, batch_size * forward_flops(cfg, 1, context - 1),
                         model.weight_bytes() + batch_size * kv_bytes, peak_flops, bandwidth)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .matmul import PACK_ROWS, forward_rows, linear, linear_weight, pack
+from .matmul import PACK_ROWS, BlockWeight, embedding, forward_rows, linear, linear_weight, pack
 from .ops import add_rms_norm, rope_cos_sin, rope_frequencies, rope_qk, silu_mul
 
 
@@ -140,7 +140,8 @@ class Llama(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed.dtype
+        """The dtype the forward computes in (a model on GGUF blocks computes in fp32)."""
+        return self.norm.dtype
 
     def hidden_states(
         self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
@@ -154,7 +155,7 @@ class Llama(nn.Module):
             positions = torch.arange(T, device=ids.device).expand(B, T)
         kv = kv or no_cache_backend()
         cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
-        x = F.embedding(ids, self.embed)  # (B, T, C)
+        x = embedding(ids, self.embed)  # (B, T, C)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, i, kv)
             if on_layer is not None:
@@ -198,12 +199,20 @@ class Llama(nn.Module):
     def pack_weights(self, rows: int = PACK_ROWS) -> int:
         """Give every matrix a oneDNN-blocked copy (`pack`): faster products of two or more rows (prefill,
         batches), for the memory of the weights once more. Returns the bytes added (0 without oneDNN)."""
-        mats = {id(w): w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)}
-        mats[id(self.lm_head)] = self.lm_head
+        mats = {id(w): w for w in self.matrices() if isinstance(w, Tensor)}
         return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
 
+    def matrices(self) -> list[Tensor | BlockWeight]:
+        """Every matrix a product multiplies by: each layer's four, then the head."""
+        return [w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [self.lm_head]
+
+    def block_weights(self) -> list[BlockWeight]:
+        """The matrices held as GGUF blocks (none for a model loaded from safetensors)."""
+        return [m for m in self.modules() if isinstance(m, BlockWeight)]
+
     def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        """Weights, whatever holds them (tied weights are counted once)."""
+        return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self.block_weights())
 
     def weight_bytes(self) -> int:
         """Bytes a decode step must stream: every parameter once (tied embeddings once, no copies).
@@ -211,4 +220,5 @@ class Llama(nn.Module):
         Exact for tied models (the head reads the whole table, the lookup one row of it); an untied
         model's input table is counted too, although a step reads only one row of it.
         """
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(w.nbytes() for w in self.block_weights()))

@@ -14,6 +14,9 @@ expects, transposed in memory. `linear(x, w)` then takes one of three roads:
   each row the same bits however many rows the call has (batching relies on that).
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
+A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
+(Day 25), multiplied where they lie by `kernels.quant.block_linear` for any number of rows.
+
 `python -m nanoserve bench layout` times the candidates on the machine at hand.
 """
 
@@ -26,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
+
+from ..kernels import quant
 
 
 def linear_weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -128,8 +133,59 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w if wp is None else wp, None, "none", [], "")
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
+class BlockWeight(nn.Module):
+    """A weight (out, in) held as GGUF blocks, 32 weights of a row to a block (`kernels.quant`): what
+    `linear` multiplies where it lies and `embedding` expands row by row. Its numbers are the fp32
+    conversion's; its bytes a fraction of them."""
+
+    def __init__(self, blocks: Tensor, fmt: str, in_features: int):
+        super().__init__()
+        nbytes = quant.block_bytes(fmt)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % quant.BLOCK \
+                or blocks.shape[1] != in_features // quant.BLOCK * nbytes:
+            raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} do not hold {fmt} rows of {in_features}")
+        self.fmt = fmt
+        self.register_buffer("blocks", blocks.contiguous())  # (out, in / 32 * bytes) uint8
+        self.shape = torch.Size((blocks.shape[0], in_features))
+
+    @classmethod
+    def quantize(cls, w: Tensor, fmt: str) -> BlockWeight:
+        """Blocks made from an fp32 weight (out, in) by llama.cpp's reference rounding."""
+        return cls(quant.quantize(w, fmt), fmt, w.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32  # the numbers a product sees
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def dequantize(self) -> Tensor:
+        """The weights (out, in) in fp32: what the fp32 conversion of the same file holds."""
+        return quant.dequantize(self.blocks, self.fmt)
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt}, out={self.shape[0]}, in={self.shape[1]}"
+
+
+def embedding(ids: Tensor, w: Tensor | BlockWeight) -> Tensor:
+    """Rows `ids` of a table w (V, C), like F.embedding; a BlockWeight expands only the rows asked for."""
+    if isinstance(w, BlockWeight):
+        return quant.dequantize(w.blocks[ids.reshape(-1)], w.fmt).view(*ids.shape, w.shape[1])
+    return F.embedding(ids, w)
+
+
+def linear(x: Tensor, w: Tensor | BlockWeight) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc)."""
+    if isinstance(w, BlockWeight):
+        return quant.block_linear(x, w.blocks, w.fmt)
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
         if x.numel() == n_in:

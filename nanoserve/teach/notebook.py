@@ -10,11 +10,12 @@ def show_source(obj: object) -> None:
     _show(inspect.getsource(obj), "python")  # type: ignore[arg-type]
 
 
-def show_cpp(name: str) -> None:
-    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`)."""
-    from ..kernels import cpp_source
+def show_cpp(name: str, source: str = "kernels") -> None:
+    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`), or with
+    source="quant" of the block product's (`kernels.quant.cpp_source`)."""
+    from ..kernels import cpp_source, quant
 
-    _show(cpp_source(name), "cpp")
+    _show((quant.cpp_source if source == "quant" else cpp_source)(name), "cpp")
 
 
 def _show(src: str, language: str) -> None:

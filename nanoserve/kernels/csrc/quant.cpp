@@ -1,0 +1,269 @@
+// The weight product on GGUF's blocks as they lie (nanoserve/kernels/quant.py says why).
+//
+// A block holds 32 consecutive weights of one row:
+//   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles   weight j = d * (qs[j] & 15) + m, weight j + 16 = d * (qs[j] >> 4) + m
+//   Q8_0  fp16 d, 32 signed bytes               weight j = d * q[j]
+// d * q is exact in fp32 (11 bits times at most 8), so d * q + m rounds once however it is computed:
+// the weights expanded here are the very numbers the fp32 conversion holds.
+//
+// out[b, o] = x[b] . w[o]. Each dot product keeps 32 running sums, one per position in a block (sum j
+// takes weight j of every block, in block order, by fused multiply-add), then adds them in a fixed tree.
+// AVX-512, AVX2 and the portable loop run that same arithmetic, so they give the same bits, and a row's
+// result never depends on the other rows of x: batching cannot change it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 32;            // weights per block
+constexpr int64_t Q4_1_BYTES = 20;    // 2 + 2 + 16
+constexpr int64_t Q8_0_BYTES = 34;    // 2 + 32
+constexpr int64_t ROWS_PER_TASK = 16; // weight rows one thread takes at a time (their blocks stay in L1)
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 2048
+#endif
+constexpr int64_t PREFETCH = PREFETCH_BYTES;  // how far ahead of the block in use its row's bytes are asked for
+
+enum class Fmt { Q4_1, Q8_0 };
+
+// fp16 -> fp32 as a lookup in a table of all 65536 halves (256 KB, mostly in cache): one load that
+// broadcasts straight into a vector register, where a conversion instruction would compete with the
+// block's shuffles for the same port.
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf, nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // a subnormal half is a normal float
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while ((m & 0x400) == 0);
+    bits = sign | ((112 - e) << 23) | ((m & 0x3ff) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+struct HalfTable {
+  float value[65536];
+  HalfTable() { for (uint32_t h = 0; h < 65536; ++h) value[h] = half_to_float(static_cast<uint16_t>(h)); }
+};
+const HalfTable HALVES;
+
+inline const float* fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return &HALVES.value[h];
+}
+
+// The 32 sums s[0..31] added in one fixed tree: s[j] + s[j + 16], then halves of what is left.
+float reduce32(const float* s) {
+  float t[16];
+  for (int j = 0; j < 16; ++j) t[j] = s[j] + s[j + 16];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int j = 0; j < w; ++j) t[j] = t[j] + t[j + w];
+  return t[0];
+}
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// reduce32's tree from its second level on, in registers: t holds s[j] + s[j + 16] (then + s[j + 8]).
+inline float reduce8(__m256 t) {
+  __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // + t[j + 4]
+  u = _mm_add_ps(u, _mm_movehl_ps(u, u));                                         // + t[j + 2]
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));                        // + t[1]
+}
+#endif
+#if defined(__AVX512F__)
+inline float reduce16(__m512 t) {
+  return reduce8(_mm256_add_ps(_mm512_castps512_ps256(t), _mm512_extractf32x8_ps(t, 1)));  // t[j] + t[j + 8]
+}
+#endif
+
+// One weight row (nb blocks at w) against R rows of x (row r at x + r * ldx): out[r * ldo] = x[r] . w.
+// The block is expanded once into registers and used by all R rows.
+#if defined(__AVX512F__)
+
+template <Fmt F>
+inline void expand(const uint8_t* blk, __m512& w0, __m512& w1) {
+  if constexpr (F == Fmt::Q4_1) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    // the block's 16 possible weights, d * q + m for q = 0..15, then each nibble looks its weight up
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(*fp16(blk)), iota, _mm512_set1_ps(*fp16(blk + 2)));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+    w0 = _mm512_permutexvar_ps(q, table);                         // uses bits 0-3 of each index: the low nibble
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);   // the high nibble
+  } else {
+    const __m512 d = _mm512_set1_ps(*fp16(blk));
+    const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+  }
+}
+
+template <Fmt F, int R>
+void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 w0, w1;
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
+    expand<F>(w + b * BYTES, w0, w1);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * QK;
+      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce16(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+constexpr int TILE = 8;  // rows of x per expanded block: 16 accumulators of the 32 registers
+
+#elif defined(__AVX2__)
+
+template <Fmt F>
+inline void expand(const uint8_t* blk, __m256 w[4]) {
+  const __m128i* qp = reinterpret_cast<const __m128i*>(blk + (F == Fmt::Q4_1 ? 4 : 2));
+  if constexpr (F == Fmt::Q4_1) {
+    const __m256 d = _mm256_set1_ps(*fp16(blk)), m = _mm256_set1_ps(*fp16(blk + 2));
+    const __m128i q = _mm_loadu_si128(qp), low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  } else {
+    const __m256 d = _mm256_set1_ps(*fp16(blk));
+    const __m128i q0 = _mm_loadu_si128(qp), q1 = _mm_loadu_si128(qp + 1);
+    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)));
+    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))));
+    w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)));
+    w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))));
+  }
+}
+
+template <Fmt F, int R>
+void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 wv[4];
+    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
+    expand<F>(w + b * BYTES, wv);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * QK;
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r * ldo] = reduce8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3])));
+}
+constexpr int TILE = 2;  // 8 accumulators and 4 weights of the 16 registers
+
+#else  // portable: the same sums, one float at a time
+
+template <Fmt F>
+inline void expand(const uint8_t* blk, float wv[32]) {
+  const float d = *fp16(blk);
+  if constexpr (F == Fmt::Q4_1) {
+    const float m = *fp16(blk + 2);
+    for (int j = 0; j < 16; ++j) {
+      wv[j] = std::fma(d, static_cast<float>(blk[4 + j] & 15), m);
+      wv[j + 16] = std::fma(d, static_cast<float>(blk[4 + j] >> 4), m);
+    }
+  } else {
+    for (int j = 0; j < 32; ++j) wv[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+  }
+}
+
+template <Fmt F, int R>
+void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  float acc[R][32] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    float wv[32];
+    expand<F>(w + b * BYTES, wv);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + b * QK;
+      for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(wv[j], xb[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce32(acc[r]);
+}
+constexpr int TILE = 4;
+
+#endif
+
+template <Fmt F, int R = TILE>
+void row_tail(int rows, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows == R) return row_tile<F, R>(w, nb, x, ldx, out, ldo);
+    return row_tail<F, R - 1>(rows, w, nb, x, ldx, out, ldo);
+  }
+}
+
+template <Fmt F>
+void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, float* out) {
+  constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  const int64_t K = nb * QK, row_bytes = nb * BYTES;
+  // Threads split the weight rows. A task's rows (a few KB of blocks) stay in cache while every tile
+  // of x passes over them, so each block is read from memory once per call, whatever B is.
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK) {
+      const int64_t o1 = std::min(end, o0 + ROWS_PER_TASK);
+      for (int64_t b0 = 0; b0 < B; b0 += TILE) {
+        const int rows = static_cast<int>(std::min<int64_t>(TILE, B - b0));
+        for (int64_t o = o0; o < o1; ++o)
+          row_tail<F>(rows, w + o * row_bytes, nb, x + b0 * K, K, out + b0 * N + o, N);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N).
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt) {
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
+  const Fmt f = fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
+  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x: expected a float32 CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: expected a contiguous tensor of at least one dim");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+              blocks.is_contiguous(), "blocks: expected a contiguous 2-dim uint8 CPU tensor, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t K = x.size(-1), N = blocks.size(0);
+  TORCH_CHECK(K % QK == 0, "x: last dim ", K, " is not a multiple of the block size 32");
+  TORCH_CHECK(blocks.size(1) == K / QK * bytes, "blocks: rows of ", blocks.size(1), " bytes, expected ",
+              K / QK * bytes, " (", K / QK, " ", fmt, " blocks of ", bytes, " bytes for ", K, " inputs)");
+  const int64_t B = x.numel() / std::max<int64_t>(K, 1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  torch::Tensor out = torch::empty(shape, x.options());
+  if (B == 0 || N == 0) return out;
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  if (f == Fmt::Q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
+  else matmul<Fmt::Q8_0>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
+}

@@ -1,0 +1,41 @@
+"""bench decode's arithmetic (rows, ratios, the winner per batch size), its CSV round trip, and the command
+line it registers; the measuring itself runs as `python -m nanoserve bench decode`, never in a test."""
+
+import math
+
+from nanoserve.bench import decode
+from nanoserve.cli import build_parser
+
+STEPS = {("nanoserve", "fp32", 1, 128): 0.040, ("nanoserve", "gguf", 1, 128): 0.010,
+         ("llama.cpp", "gguf", 1, 128): 0.0125, ("transformers", "fp32", 1, 128): 0.050,
+         ("nanoserve", "fp32", 8, 128): 0.050, ("nanoserve", "gguf", 8, 128): 0.040,
+         ("nanoserve", "fp32", 32, 128): 0.080, ("nanoserve", "gguf", 32, 128): 0.100}
+BYTES = {("nanoserve", "fp32"): 5e8, ("nanoserve", "gguf"): 1e8, ("llama.cpp", "gguf"): 1e8,
+         ("transformers", "fp32"): 5e8}
+
+
+def test_rows_divide_numbers_of_the_same_run():
+    rows = {(r.engine, r.weights, r.batch): r for r in decode.make_rows(STEPS, BYTES, bandwidth=20e9)}
+    blocks = rows[("nanoserve", "gguf", 1)]
+    assert blocks.tok_s == 100 and blocks.vs_nanoserve_fp32 == 4 and math.isclose(blocks.vs_llama_cpp, 1.25)
+    assert math.isclose(blocks.weight_gb_s, 10) and math.isclose(blocks.bandwidth_frac, 0.5)
+    assert rows[("nanoserve", "fp32", 8)].tok_s == 160 and math.isnan(rows[("nanoserve", "gguf", 8)].vs_llama_cpp)
+    assert decode.winners(list(rows.values())) == {1: "gguf", 8: "gguf", 32: "fp32"}
+    curves = decode.by_batch(list(rows.values()))
+    assert curves == {"fp32": {1: 25.0, 8: 160.0, 32: 400.0}, "gguf": {1: 100.0, 8: 200.0, 32: 320.0}}
+
+
+def test_the_csv_round_trips_with_its_header(tmp_path):
+    rows = decode.make_rows(STEPS, BYTES, bandwidth=20e9)
+    path = tmp_path / "d.csv"
+    decode.write_csv(path, rows, ["# command: python -m nanoserve bench decode", "# llama_cpp: not installed"])
+    header, back = decode.read_csv(path)
+    assert header["llama_cpp"] == "not installed" and len(back) == len(rows)
+    assert [(r.engine, r.weights, r.batch) for r in back] == [(r.engine, r.weights, r.batch) for r in rows]
+    assert all(math.isclose(a.tok_s, b.tok_s, rel_tol=1e-3) for a, b in zip(back, rows))
+
+
+def test_the_command_is_registered_with_its_defaults():
+    args = build_parser().parse_args(["bench", "decode", "--threads", "1"])
+    assert args.what == "decode" and args.contexts == [128, 1024] and args.batch_sizes == [8, 32]
+    assert args.out == decode.CSV_PATH and args.threads == 1
