@@ -57,7 +57,7 @@ def load(verbose: bool = False) -> ModuleType | None:
         from torch.utils import cpp_extension
 
         name, flags = build_name_and_flags()
-        folder = build_dir(name)
+        folder = build_dir(name, SOURCE)
         folder.mkdir(parents=True, exist_ok=True)
         module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
                                     verbose=verbose)
