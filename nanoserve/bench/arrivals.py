@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import csv
 import json
 import math
@@ -36,7 +35,7 @@ from pathlib import Path
 from ..engine import LLMEngine, SchedulerConfig
 from ..model import Llama
 from ..sampling import SamplingParams
-from .engine import Workload, ragged_workload
+from .engine import Workload, ragged_workload, start_hf_manager
 from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
 from .serving import SLO, ServingMetrics, arrival_times, serving_metrics
 from .timing import RequestTiming
@@ -288,25 +287,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_common_arguments(ap, CSV_PATH)
 
 
-def _hf_manager(hf_model, w: Workload):
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    config = copy.deepcopy(hf_model.generation_config)
-    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=None,
-                  max_new_tokens=max(w.max_tokens))
-    hints = WorkloadHints(max_prompt_length=max(len(p) for p in w.prompts),
-                          max_generated_length=max(w.max_tokens), num_requests=len(w.prompts))
-    manager = hf_model.init_continuous_batching(generation_config=config, workload_hints=hints)
-    manager.start()
-    manager.add_request(w.prompts[0][:8], request_id="warmup", max_new_tokens=2)  # its one-time setup, not timed
-    deadline = time.perf_counter() + 600
-    while time.perf_counter() < deadline:
-        r = manager.get_result(timeout=1)
-        if r is not None and r.is_finished():
-            break
-    return manager
-
-
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Each system over every rate, one after another in this process; two CSVs and a table."""
     use_threads(args)
@@ -339,7 +319,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
             hf_model = load_hf_model(ensure_model())
             hf_model.set_attn_implementation("sdpa")
-            manager = _hf_manager(hf_model, w)
+            manager = start_hf_manager(hf_model, w)
             try:
                 for rate, trace in traces.items():
                     replays.append(replay_hf_continuous(manager, w, trace, rate))

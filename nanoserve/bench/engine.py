@@ -145,9 +145,9 @@ def run_hf_static(hf_model, w: Workload, batch_size: int = 8) -> Run:
     return Run("transformers-static-8", w.name, latency, tokens, time.perf_counter() - t0)
 
 
-def run_hf_continuous(hf_model, w: Workload) -> Run:
-    """transformers' continuous batching manager, each request with its own max_new_tokens, EOS off. The
-    manager is started and warmed on one short request first, so its one-time setup is not timed."""
+def start_hf_manager(hf_model, w: Workload):
+    """transformers' continuous batching manager sized for workload w, greedy, EOS off, started and warmed on
+    one short request, so its one-time setup is never timed."""
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = copy.deepcopy(hf_model.generation_config)
@@ -160,6 +160,16 @@ def run_hf_continuous(hf_model, w: Workload) -> Run:
     try:
         _collect(manager, [manager.add_request(w.prompts[0][:8], request_id="warmup", max_new_tokens=2)],
                  time.perf_counter())
+    except BaseException:
+        manager.stop(block=True)
+        raise
+    return manager
+
+
+def run_hf_continuous(hf_model, w: Workload) -> Run:
+    """transformers' continuous batching manager, each request with its own max_new_tokens, EOS off."""
+    manager = start_hf_manager(hf_model, w)
+    try:
         t0 = time.perf_counter()
         ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=n)
                for i, (p, n) in enumerate(zip(w.prompts, w.max_tokens))]
