@@ -62,14 +62,20 @@ def stream_generate(
         token = sampler(logits, seen)
         seen.append(token)
         n += 1
-        piece = detok.push(token) if detok and token not in stopper.stop_ids else ""
-        text, reason = stopper.check(token, n, piece)
-        if reason == "length" and detok:
-            text += detok.flush()
-        yield StepOutput(token, text, reason)
-        if reason is not None:
+        out = step_output(token, n, stopper, detok)
+        yield out
+        if out.finish_reason is not None:
             return
         logits = session.decode(token)
+
+
+def step_output(token: int, n: int, stopper: StopChecker, detok: IncrementalDetokenizer | None) -> StepOutput:
+    """The n-th generated token as the stream reports it: the text it releases, and whether it ends the request."""
+    piece = detok.push(token) if detok and token not in stopper.stop_ids else ""
+    text, reason = stopper.check(token, n, piece)
+    if reason == "length" and detok:
+        text += detok.flush()
+    return StepOutput(token, text, reason)
 
 
 def generate(

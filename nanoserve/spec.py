@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .engine.checks import check_prompt
 from .engine.session import PagedSession, paged_session
-from .generate import Completion, StepOutput
+from .generate import Completion, StepOutput, step_output
 from .model import Llama
 from .sampling import Sampler, SamplingParams
 from .stopping import StopChecker
@@ -157,12 +157,9 @@ def stream_speculative(
             for token in pending:  # through the stop checker one by one, as generate yields them
                 seen.append(token)
                 n = len(seen) - len(prompt_ids)
-                piece = detok.push(token) if detok and token not in stopper.stop_ids else ""
-                text, reason = stopper.check(token, n, piece)
-                if reason == "length" and detok:
-                    text += detok.flush()
-                yield StepOutput(token, text, reason)
-                if reason is not None:
+                out = step_output(token, n, stopper, detok)
+                yield out
+                if out.finish_reason is not None:
                     return
             k = min(config.num_speculative_tokens, stopper.max_new - n - 1)  # never draft past max_tokens
             proposal = propose(seen, k, config.prompt_lookup_max, config.prompt_lookup_min) if k > 0 else None

@@ -78,6 +78,15 @@ def build_dir(name: str, source: Path = SOURCE) -> Path:
     return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{digest}"
 
 
+def build(name: str, source: Path, flags: list[str], verbose: bool = False) -> ModuleType:
+    """Compile `source` as the extension `name` into its own folder (`build_dir`), or load it from there."""
+    from torch.utils import cpp_extension
+
+    folder = build_dir(name, source)
+    folder.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name, [str(source)], extra_cflags=flags, build_directory=str(folder), verbose=verbose)
+
+
 def load(verbose: bool = False) -> ModuleType | None:
     """The compiled kernels, built on first call; None (with one warning saying why) where they cannot be."""
     if "module" in _state:
@@ -87,13 +96,8 @@ def load(verbose: bool = False) -> ModuleType | None:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return _unavailable(f"{DISABLE_ENV}=0", warn=False)
     try:
-        from torch.utils import cpp_extension
-
         name, flags = build_flags()
-        folder = build_dir(name)
-        folder.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
-                                    verbose=verbose)
+        module = build(name, SOURCE, flags, verbose)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         return _unavailable(f"{type(e).__name__}: {_gist(str(e))}")
     _state["module"] = module

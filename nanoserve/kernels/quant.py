@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import DISABLE_ENV, _enabled, _gist, build_dir, build_flags
+from . import DISABLE_ENV, _enabled, _gist, build, build_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
 BLOCK = 32  # weights per block
@@ -54,13 +54,8 @@ def load(verbose: bool = False) -> ModuleType | None:
         _state["reason"] = f"{DISABLE_ENV}=0"
         return None
     try:
-        from torch.utils import cpp_extension
-
         name, flags = build_name_and_flags()
-        folder = build_dir(name, SOURCE)
-        folder.mkdir(parents=True, exist_ok=True)
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=flags, build_directory=str(folder),
-                                    verbose=verbose)
+        module = build(name, SOURCE, flags, verbose)
     except Exception as e:  # no compiler, no ninja, a failed build: the dequantizing road still works
         _state["reason"] = f"{type(e).__name__}: {_gist(str(e))}"
         warnings.warn(f"nanoserve's compiled block product is unavailable ({_state['reason']}); GGUF weights are "
