@@ -1,4 +1,4 @@
-"""Serving over HTTP: the engine in a background thread (`async_engine`), OpenAI's request shapes
+"""Serving over HTTP: the engine in a thread of its own (`async_engine`), OpenAI's request shapes
 (`protocol`), Prometheus metrics (`metrics`) and the FastAPI app (`app`). FastAPI and uvicorn are
 imported only when a server is built."""
 

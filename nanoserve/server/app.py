@@ -314,9 +314,11 @@ def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, build the app, serve until interrupted."""
+    """Load the model, build the app, serve until interrupted: uvicorn answers HTTP in a thread while this
+    (the main) thread steps the engine (`AsyncEngine` says why). SIGINT or SIGTERM drains, then exits."""
+    import signal
+
     import torch
-    import uvicorn
 
     from .. import load
     from ..model.fetch import default_model_dir
@@ -327,11 +329,22 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or (str(args.model).rstrip("/").split("/")[-1] if args.model
                                       else default_model_dir().name)
     engine = make_engine(model, tok, args)
-    app = build_app(AsyncEngine(engine), tok, name)
+    async_engine = AsyncEngine(engine, own_thread=False)
+    server = ServerThread(build_app(async_engine, tok, name), args.host, args.port, args.log_level)
+
+    def on_signal(signum, frame) -> None:  # as uvicorn's own handler: a second signal stops without draining
+        if server.server.should_exit:
+            server.server.force_exit = True
+        server.server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    server.thread.start()
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 ({engine.cache.num_blocks} KV blocks)",
           flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+    async_engine.run(keep_going=server.thread.is_alive)  # until the app's shutdown stops it, or uvicorn exits
+    server.thread.join()
+    return 0 if server.server.started else 1
 
 
 class ServerThread:

@@ -1,4 +1,4 @@
-"""The engine in one background thread, with requests coming from asyncio handlers (Day 38).
+"""The engine in one thread of its own, with requests coming from asyncio handlers (Day 38).
 
 The engine's step is blocking work (a forward of the whole batch), so it cannot run on the event loop
 that answers HTTP: one thread owns the engine and does nothing but step it. Handlers talk to that
@@ -11,6 +11,12 @@ engine after startup, so the engine needs no locks.
 
 A handler that stops reading (its client went away) closes the iterator, which sends an abort: the
 request's blocks go back to the pool at the next step.
+
+`python -m nanoserve serve` steps the engine in the process's main thread (`run`) and answers HTTP from
+another. torch's OpenMP workers belong to the thread that first ran parallel work, and the main thread
+has (loading the model); a second stepping thread would start a second set of workers, and with more
+workers than cores they stop spinning between operations, so every one of a step's many parallel
+operations would wait for its workers to wake.
 """
 
 from __future__ import annotations
@@ -53,8 +59,10 @@ class Delta:
 class AsyncEngine:
     """An LLMEngine stepped by its own thread; `generate` is the asyncio side of one request."""
 
-    def __init__(self, engine: LLMEngine, history_limit: int = 1024, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, engine: LLMEngine, history_limit: int = 1024, clock: Callable[[], float] = time.monotonic,
+                 own_thread: bool = True):
         self.engine = engine
+        self.own_thread = own_thread  # False: the caller steps the engine in its own thread (`run`)
         self.history_limit = history_limit  # a server runs for days: keep only the last steps' records
         self.metrics = EngineMetrics()
         self.clock = clock
@@ -64,27 +72,39 @@ class AsyncEngine:
         self._sinks: dict[str, Callable[[Delta | BaseException], None]] = {}
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._stepping = threading.Event()  # set while a thread runs the loop
         self._thread: threading.Thread | None = None
         self.snapshot = self._snapshot()
 
     # ---- lifecycle -----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="nanoserve-engine", daemon=True)
+        """Start stepping in a thread of the engine's own (with `own_thread=False`, the caller's `run` steps)."""
+        if self.own_thread and self._thread is None:
+            self._stepping.set()  # running from now on: requests may be queued before the thread's first step
+            self._thread = threading.Thread(target=self._run, name="nanoserve-engine", daemon=True)
             self._thread.start()
 
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Step the engine in the calling thread until `stop()` is called (from another thread) or
+        `keep_going()` turns False (checked at least once a second)."""
+        self._run(keep_going)
+
     def stop(self, timeout: float = 30) -> None:
-        """Stop the thread; requests still in flight end with an error."""
+        """Stop stepping; requests still in flight end with an error."""
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        elif self._stepping.is_set():  # stepped by `run` in another thread: wait for its loop to end
+            deadline = time.monotonic() + timeout
+            while self._stepping.is_set() and time.monotonic() < deadline:
+                time.sleep(0.01)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._stepping.is_set() and not self._stop.is_set()
 
     async def drain(self, timeout: float = 60) -> None:
         """Refuse new requests, then wait (up to `timeout`) for those in flight to finish."""
@@ -133,9 +153,17 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        self._stepping.set()
+        try:
+            self._loop(keep_going)
+        finally:
+            self._fail_all(RuntimeError("the server stopped before this request finished"))
+            self._stepping.clear()
+
+    def _loop(self, keep_going: Callable[[], bool]) -> None:
         engine = self.engine
-        while not self._stop.is_set():
+        while not self._stop.is_set() and keep_going():
             if not engine.has_unfinished_requests():
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
@@ -156,7 +184,6 @@ class AsyncEngine:
             if len(engine.history) > 2 * self.history_limit:
                 del engine.history[:-self.history_limit]
             self.snapshot = self._snapshot()
-        self._fail_all(RuntimeError("the server stopped before this request finished"))
 
     def _take_commands(self) -> None:
         while True:
