@@ -93,8 +93,8 @@ inline float reduce16(__m512 t) {
 }
 #endif
 
-// One weight row (nb blocks at w) against R rows of x (row r at x + r * ldx): out[r * ldo] = x[r] . w.
-// The block is expanded once into registers and used by all R rows.
+// G weight rows (row g's nb blocks at w + g * row_bytes) against R rows of x (row r at x + r * ldx):
+// out[r * ldo + g] = x[r] . w[g]. Each block is expanded once into registers and used by all R rows.
 #if defined(__AVX512F__)
 
 template <Fmt F>
@@ -114,24 +114,32 @@ inline void expand(const uint8_t* blk, __m512& w0, __m512& w1) {
   }
 }
 
-template <Fmt F, int R>
-void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+template <Fmt F, int G, int R>
+void row_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  __m512 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[G][R][2];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r][0] = acc[g][r][1] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0, w1;
-    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
-    expand<F>(w + b * BYTES, w0, w1);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * ldx + b * QK;
-      acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[r][1]);
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* blk = w + g * row_bytes + b * BYTES;
+      __m512 w0, w1;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+      expand<F>(blk, w0, w1);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + b * QK;
+        acc[g][r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[g][r][0]);
+        acc[g][r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[g][r][1]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce16(_mm512_add_ps(acc[r][0], acc[r][1]));
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce16(_mm512_add_ps(acc[g][r][0], acc[g][r][1]));
 }
 constexpr int TILE = 8;  // rows of x per expanded block: 16 accumulators of the 32 registers
+// weight rows taken together for R rows of x: a dot product is a chain of dependent adds, so a few rows of x
+// alone leave the FMA units waiting on each chain; more weight rows give them independent chains to overlap
+constexpr int rows_together(int R) { return R <= 2 ? 4 / R : R <= 4 ? 2 : 1; }
 
 #elif defined(__AVX2__)
 
@@ -156,25 +164,32 @@ inline void expand(const uint8_t* blk, __m256 w[4]) {
   }
 }
 
-template <Fmt F, int R>
-void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+template <Fmt F, int G, int R>
+void row_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_setzero_ps();
+  __m256 acc[G][R][4];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) acc[g][r][k] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256 wv[4];
-    _mm_prefetch(reinterpret_cast<const char*>(w + b * BYTES + PREFETCH), _MM_HINT_T0);
-    expand<F>(w + b * BYTES, wv);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * ldx + b * QK;
-      for (int k = 0; k < 4; ++k) acc[r][k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[r][k]);
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* blk = w + g * row_bytes + b * BYTES;
+      __m256 wv[4];
+      _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+      expand<F>(blk, wv);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + b * QK;
+        for (int k = 0; k < 4; ++k) acc[g][r][k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[g][r][k]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r)
-    out[r * ldo] = reduce8(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][2]), _mm256_add_ps(acc[r][1], acc[r][3])));
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r)
+      out[r * ldo + g] = reduce8(_mm256_add_ps(_mm256_add_ps(acc[g][r][0], acc[g][r][2]),
+                                               _mm256_add_ps(acc[g][r][1], acc[g][r][3])));
 }
 constexpr int TILE = 2;  // 8 accumulators and 4 weights of the 16 registers
+constexpr int rows_together(int R) { return R == 1 ? 2 : 1; }  // (see the AVX-512 build)
 
 #else  // portable: the same sums, one float at a time
 
@@ -192,29 +207,38 @@ inline void expand(const uint8_t* blk, float wv[32]) {
   }
 }
 
-template <Fmt F, int R>
-void row_tile(const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+template <Fmt F, int G, int R>
+void row_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  float acc[R][32] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    float wv[32];
-    expand<F>(w + b * BYTES, wv);
-    for (int r = 0; r < R; ++r) {
-      const float* xb = x + r * ldx + b * QK;
-      for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(wv[j], xb[j], acc[r][j]);
+  for (int g = 0; g < G; ++g) {
+    float acc[R][32] = {};
+    for (int64_t b = 0; b < nb; ++b) {
+      float wv[32];
+      expand<F>(w + g * row_bytes + b * BYTES, wv);
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + b * QK;
+        for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(wv[j], xb[j], acc[r][j]);
+      }
     }
+    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce32(acc[r]);
   }
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce32(acc[r]);
 }
 constexpr int TILE = 4;
+constexpr int rows_together(int) { return 1; }
 
 #endif
 
+// Weight rows o0..o1 against `rows` (1..TILE) rows of x: rows_together(rows) weight rows at a time, then one
+// at a time for what is left. Each (weight row, x row) dot product is the same arithmetic either way.
 template <Fmt F, int R = TILE>
-void row_tail(int rows, const uint8_t* w, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+void rows_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, int64_t nb, const float* x,
+               int64_t ldx, float* out, int64_t ldo) {
   if constexpr (R > 0) {
-    if (rows == R) return row_tile<F, R>(w, nb, x, ldx, out, ldo);
-    return row_tail<F, R - 1>(rows, w, nb, x, ldx, out, ldo);
+    if (rows != R) return rows_tile<F, R - 1>(rows, w, row_bytes, o0, o1, nb, x, ldx, out, ldo);
+    constexpr int G = rows_together(R);
+    int64_t o = o0;
+    for (; o + G <= o1; o += G) row_tile<F, G, R>(w + o * row_bytes, row_bytes, nb, x, ldx, out + o, ldo);
+    for (; o < o1; ++o) row_tile<F, 1, R>(w + o * row_bytes, row_bytes, nb, x, ldx, out + o, ldo);
   }
 }
 
@@ -229,8 +253,7 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
       const int64_t o1 = std::min(end, o0 + ROWS_PER_TASK);
       for (int64_t b0 = 0; b0 < B; b0 += TILE) {
         const int rows = static_cast<int>(std::min<int64_t>(TILE, B - b0));
-        for (int64_t o = o0; o < o1; ++o)
-          row_tail<F>(rows, w + o * row_bytes, nb, x + b0 * K, K, out + b0 * N + o, N);
+        rows_tile<F>(rows, w, row_bytes, o0, o1, nb, x + b0 * K, K, out + b0 * N, N);
       }
     }
   });
