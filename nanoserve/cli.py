@@ -151,9 +151,4 @@ def build_kernels(verbose: bool = False) -> int:
     name, flags = kernels.build_flags()
     print(f"nanoserve kernels: {name} ready in {time.perf_counter() - start:.1f} s "
           f"({' '.join(flags)}; {kernels.build_dir(name)})")
-    from .kernels import quant
-
-    start = time.perf_counter()
-    if quant.load(verbose=verbose) is not None:  # the GGUF block product (Day 25), built now too
-        print(f"nanoserve kernels: {quant.describe()} ready in {time.perf_counter() - start:.1f} s")
     return 0

@@ -2,9 +2,11 @@
 
 Rows, all in one run, their rounds interleaved so a shared machine's slow minute falls on every row:
 
-- batch 1 at each `--contexts` length: nanoserve on fp32, nanoserve on the GGUF's blocks, transformers
-  on fp32, and llama.cpp on the same GGUF file (through llama-cpp-python, an optional benchmark-only
-  dependency: `pip install llama-cpp-python`; without it that row is skipped and the CSV says so);
+- batch 1 at each `--contexts` length: nanoserve on fp32, nanoserve on the GGUF's blocks (its steps one
+  compiled call, `model.compiled`), the same on the Python forward (engine `nanoserve-py`: what the
+  compiled step saves), transformers on fp32, and llama.cpp on the same GGUF file (through
+  llama-cpp-python, an optional benchmark-only dependency: `pip install llama-cpp-python`; without it that
+  row is skipped and the CSV says so);
 - each `--batch-sizes` B at the first context: nanoserve fp32 beside the blocks, where expanding a block
   costs compute that B rows share.
 
@@ -43,7 +45,7 @@ CSV_PATH = "data/bench-decode.csv"
 class Row:
     """One configuration's measurement and what it means. Ratios are tok/s over tok/s, same run."""
 
-    engine: str  # nanoserve, transformers, llama.cpp
+    engine: str  # nanoserve, nanoserve-py (blocks on the Python forward), transformers, llama.cpp
     weights: str  # fp32, or gguf (the file's Q4_1/Q8_0 blocks)
     batch: int
     context: int
@@ -105,9 +107,11 @@ def prompt_of(tok: Tokenizer, n_tokens: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int) -> float:
-    """Median decode step (s) of a static batch of `batch` copies of the prompt."""
-    timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch)
+def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
+                   compiled_step: bool | None = None) -> float:
+    """Median decode step (s) of a static batch of `batch` copies of the prompt (`compiled_step=False`: on the
+    Python forward, for a model on blocks)."""
+    timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled_step=compiled_step)
     return timing.median_step_s
 
 
@@ -186,12 +190,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     gguf_path = download_gguf(nanoserve_home() / "downloads")
     threads = torch.get_num_threads()
     weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes(), ("nanoserve", "gguf"): blocks.weight_bytes(),
+                    ("nanoserve-py", "gguf"): blocks.weight_bytes(),
                     ("llama.cpp", "gguf"): blocks.weight_bytes()}  # llama.cpp streams the same blocks
     jobs: dict[tuple[str, str, int, int], Callable[[], float]] = {}
     for ctx in args.contexts:
         prompt = prompt_of(tok, ctx)
         for name, model in (("fp32", fp32), ("gguf", blocks)):
             jobs[("nanoserve", name, 1, ctx)] = lambda m=model, p=prompt: time_nanoserve(m, p, 1, args.steps)
+        jobs[("nanoserve-py", "gguf", 1, ctx)] = lambda p=prompt: time_nanoserve(blocks, p, 1, args.steps, False)
     for b in args.batch_sizes:
         prompt = prompt_of(tok, args.contexts[0])
         for name, model in (("fp32", fp32), ("gguf", blocks)):

@@ -66,20 +66,21 @@ class BatchedDecode:
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                         block_size: int = 16, kernels: bool | None = None) -> BatchedDecode:
+                         block_size: int = 16, kernels: bool | None = None,
+                         compiled_step: bool | None = None) -> BatchedDecode:
     """Stand up the batch `greedy_generate_batch(model, prompts, stop_steps=stop_steps)` runs."""
-    batch = StaticBatch(model, prompts, list(stop_steps), block_size, kernels)
+    batch = StaticBatch(model, prompts, list(stop_steps), block_size, kernels, compiled_step)
     return BatchedDecode(batch, batch.prefill, batch.step, list(stop_steps))
 
 
 def time_model_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16,
-                     kernels: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
+                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16, kernels: bool | None = None,
+                     compiled_step: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
     """Time one static batch: the prefill, every decode step, and row i's budget of stop_steps[i] steps.
 
     Rows stop on their step budget, not on EOS; a finished row stays in every forward (it keeps
     its slot and its blocks) until the slowest row is done, which is what the timing charges."""
-    run = build_batched_decode(model, prompts, stop_steps, block_size, kernels)
+    run = build_batched_decode(model, prompts, stop_steps, block_size, kernels, compiled_step)
     try:
         timing = time_static_batch(run.prefill, run.step, run.row_steps, clock)
     finally:

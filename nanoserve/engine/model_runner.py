@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention import Chunk, PagedAttention, choose, prepare
+from ..kernels import enabled as kernels_enabled
 from ..kernels import torch_ops, use_kernels
 from ..kv.paged import PagedKVCache
 from ..model import Llama
+from ..model.compiled import BlockStep, applies
 
 
 class ModelRunner:
@@ -31,14 +33,18 @@ class ModelRunner:
     run (fp32, built), True insists, False runs torch's ops. `attention` picks the attention
     implementation by name ("reference", "torch", "compiled"; `attention.backend`), else the default.
     `batch_invariant`: a step of one token runs as a step of several too, so a request gets the same
-    bits alone as beside others (its seeded samples too), at the price of the one-row road's speed."""
+    bits alone as beside others (its seeded samples too), at the price of the one-row road's speed.
+    `compiled_step`: a model on GGUF blocks runs its steps as one compiled call where it can
+    (`model.compiled`: the same logits, bit for bit, without the Python between the calls); False never."""
 
     def __init__(self, model: Llama, cache: PagedKVCache, kernels: bool | None = None, attention: str | None = None,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, compiled_step: bool | None = None):
         self.model, self.cache = model, cache
         self.batch_invariant = batch_invariant
         self.kernels = use_kernels(model.dtype, kernels)
         self.attention = choose(self.kernels, attention)
+        use_step = compiled_step is not False and self.attention == "compiled"
+        self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
 
     @torch.inference_mode()
@@ -48,6 +54,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, md = prepare(chunks, self.cache.block_size, min_rows=2 if self.batch_invariant else 1)
         self.last_prepare_s = time.perf_counter() - t0
+        if self.block_step is not None and not all_rows and applies(md) and kernels_enabled():
+            return self.block_step(ids, md, self.cache.storage)
         with contextlib.nullcontext() if self.kernels else torch_ops():
             backend = PagedAttention(self.cache.storage, md, self.attention)
             h = self.model.hidden_states(ids[None], md.positions[None], backend)[0]  # (N, C)

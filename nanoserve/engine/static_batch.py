@@ -110,11 +110,12 @@ class StaticBatch:
     what Day 29 varies.
 
     `kernels`: the ModelRunner's choice (None: the compiled kernels where they run, True insists,
-    False: torch's ops). Either way a row's tokens do not depend on the rows beside it.
+    False: torch's ops), and `compiled_step` its (a model on blocks stepped by one compiled call where
+    it can; False: the Python forward). Either way a row's tokens do not depend on the rows beside it.
     """
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                 block_size: int = 16, kernels: bool | None = None):
+                 block_size: int = 16, kernels: bool | None = None, compiled_step: bool | None = None):
         if not isinstance(stop_steps, Sequence) or any(
                 isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
             raise ValueError(f"stop_steps must be a list of ints >= 0 (decode steps per row), got {stop_steps!r}")
@@ -126,7 +127,7 @@ class StaticBatch:
         self.prompts = [list(p) for p in prompts]
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, [len(p) for p in prompts], self.n_steps + 1, block_size,
                                                 model.dtype)
-        self.runner = ModelRunner(model, self.kv.cache, kernels)
+        self.runner = ModelRunner(model, self.kv.cache, kernels, compiled_step=compiled_step)
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.last: list[int] = []  # each row's newest token, collected or not: the next step's input
         self.steps_done = -1  # -1 before the prefill, 0 after it, n after n decode steps

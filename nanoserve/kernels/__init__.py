@@ -1,4 +1,4 @@
-"""Compiled kernels: the small calls of a decoder layer and its paged attention, in C++.
+"""Compiled kernels: the small calls of a decoder layer, its paged attention, and the model on blocks, in C++.
 
 Between its weight products a layer makes about twenty small torch calls: two norms, RoPE's
 roll/negate/multiply/add, SwiGLU's silu and product, and the attention's gather, scores,
@@ -14,7 +14,9 @@ arithmetic in four calls:
 
 Each computes a row from that row's numbers only, so a row's result is the same whatever else
 is in the step. `model.ops` and `attention` call them where `enabled()` says so, and run
-torch's ops otherwise; the two roads agree to fp32 rounding.
+torch's ops otherwise; the two roads agree to fp32 rounding. The same extension holds the
+product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`) and `BlockModel` (`csrc/step.cpp`,
+`model.compiled`), which steps a model on blocks through all of these in one call.
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -41,7 +43,10 @@ from torch.overrides import handle_torch_function, has_torch_function
 
 from ..config import nanoserve_home
 
-SOURCE = Path(__file__).parent / "csrc" / "kernels.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "kernels.cpp"
+SOURCES = [SOURCE, CSRC / "quant.cpp", CSRC / "step.cpp", CSRC / "module.cpp"]  # one extension, and its header:
+HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
 
 _state: dict[str, object] = {}  # "module" once built; "reason" once it cannot be
@@ -70,21 +75,23 @@ def build_flags() -> tuple[str, list[str]]:
     return "nanoserve_kernels", flags
 
 
-def build_dir(name: str, source: Path = SOURCE) -> Path:
-    """Where a build lives: one folder per name, Python, torch, and source (its path and its text), so two
-    clones, or two versions of the source, never rebuild over each other's library."""
+def build_dir(name: str, sources: Path | list[Path] = SOURCES) -> Path:
+    """Where a build lives: one folder per name, Python, torch, and sources (their paths and their text, and the
+    header's), so two clones, or two versions of the source, never rebuild over each other's library."""
+    files = [sources] if isinstance(sources, Path) else [*sources, *HEADERS]
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    digest = hashlib.sha256(str(source.resolve()).encode() + b"\0" + source.read_bytes()).hexdigest()[:12]
-    return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{digest}"
+    digest = hashlib.sha256(b"\0".join(str(f.resolve()).encode() + b"\0" + f.read_bytes() for f in files))
+    return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
 
 
-def build(name: str, source: Path, flags: list[str], verbose: bool = False) -> ModuleType:
-    """Compile `source` as the extension `name` into its own folder (`build_dir`), or load it from there."""
+def build(name: str, sources: Path | list[Path], flags: list[str], verbose: bool = False) -> ModuleType:
+    """Compile `sources` as the extension `name` into its own folder (`build_dir`), or load it from there."""
     from torch.utils import cpp_extension
 
-    folder = build_dir(name, source)
+    folder = build_dir(name, sources)
     folder.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name, [str(source)], extra_cflags=flags, build_directory=str(folder), verbose=verbose)
+    paths = [str(sources)] if isinstance(sources, Path) else [str(f) for f in sources]
+    return cpp_extension.load(name, paths, extra_cflags=flags, build_directory=str(folder), verbose=verbose)
 
 
 def load(verbose: bool = False) -> ModuleType | None:
@@ -97,7 +104,7 @@ def load(verbose: bool = False) -> ModuleType | None:
         return _unavailable(f"{DISABLE_ENV}=0", warn=False)
     try:
         name, flags = build_flags()
-        module = build(name, SOURCE, flags, verbose)
+        module = build(name, SOURCES, flags, verbose)
     except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
         return _unavailable(f"{type(e).__name__}: {_gist(str(e))}")
     _state["module"] = module

@@ -12,16 +12,13 @@ multiplies it there, fp32 all the way, using each expanded block for up to a til
 Hugging Face folder writes (`model.fetch`), bit for bit. `quantize` makes blocks from fp32 (llama.cpp's
 reference rounding), for tests and for models that did not come as GGUF.
 
-The extension is built like `kernels` (same flags, its own name), on first use. Where it cannot be, or
-inside `kernels.torch_ops()`, `block_linear` multiplies by `dequantize`'s matrix instead: same weights,
-fp32 rounding apart, slower. Without a build `load()` warns once.
+The kernel is part of the compiled kernels' extension (`kernels.load`), built with them on first use. Where it
+cannot be, or inside `kernels.torch_ops()`, `block_linear` multiplies by `dequantize`'s matrix instead: same
+weights, fp32 rounding apart, slower.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
-from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -29,46 +26,24 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import DISABLE_ENV, _enabled, _gist, build, build_flags
+from . import CSRC, _enabled, build_flags
+from . import load as load_kernels
+from . import unavailable_reason as kernels_unavailable
 
-SOURCE = Path(__file__).parent / "csrc" / "quant.cpp"
+SOURCE = CSRC / "quant.cpp"
 BLOCK = 32  # weights per block
 FORMATS = {"q4_1": 20, "q8_0": 34}  # bytes per block
 
-_state: dict[str, object] = {}
-
-
-def build_name_and_flags() -> tuple[str, list[str]]:
-    """`kernels.build_flags` (the vector unit torch uses, the same bits on each) under this extension's name."""
-    name, flags = build_flags()
-    return name.replace("nanoserve_kernels", "nanoserve_quant"), flags
-
 
 def load(verbose: bool = False) -> ModuleType | None:
-    """The compiled block product, built on first call; None (with one warning saying why) where it cannot be."""
-    if "module" in _state:
-        return _state["module"]  # type: ignore[return-value]
-    if "reason" in _state:
-        return None
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        _state["reason"] = f"{DISABLE_ENV}=0"
-        return None
-    try:
-        name, flags = build_name_and_flags()
-        module = build(name, SOURCE, flags, verbose)
-    except Exception as e:  # no compiler, no ninja, a failed build: the dequantizing road still works
-        _state["reason"] = f"{type(e).__name__}: {_gist(str(e))}"
-        warnings.warn(f"nanoserve's compiled block product is unavailable ({_state['reason']}); GGUF weights are "
-                      "multiplied through dequantized copies instead (slower, same weights)", RuntimeWarning,
-                      stacklevel=2)
-        return None
-    _state["module"] = module
-    return module
+    """The compiled kernels' extension, which holds the block product (`kernels.load`); None where it cannot be
+    built (it warns once, saying why)."""
+    return load_kernels(verbose)
 
 
 def unavailable_reason() -> str | None:
     """Why `load()` returned None, or None if it did not (or was not called)."""
-    return _state.get("reason")  # type: ignore[return-value]
+    return kernels_unavailable()
 
 
 def block_bytes(fmt: str) -> int:
@@ -142,8 +117,8 @@ def describe() -> str:
     """What multiplies block weights on this machine: the build, or why dequantized copies do."""
     if load() is None:
         return f"dequantized copies ({unavailable_reason()})"
-    name, flags = build_name_and_flags()
-    return f"compiled block product {name} ({' '.join(flags)})"
+    name, flags = build_flags()
+    return f"compiled block product in {name} ({' '.join(flags)})"
 
 
 def cpp_source(name: str) -> str:

@@ -130,13 +130,18 @@ class Llama(nn.Module):
         if lo < 0:  # not a table index: compute directly
             cos, sin = rope_cos_sin(self.inv_freq, positions)
             return cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = self.rope_tables(hi, positions.device)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def rope_tables(self, max_position: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+        """The cos/sin tables (P, D) `rope` reads, covering positions 0..max_position at least."""
         table = self._rope_table
-        if table is None or table[0].shape[0] <= hi or table[0].dtype != self.dtype \
-                or table[0].device != positions.device:
-            size = max(256, 1 << hi.bit_length())
-            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=positions.device)[None])
+        if table is None or table[0].shape[0] <= max_position or table[0].dtype != self.dtype \
+                or table[0].device != torch.device(device):
+            size = max(256, 1 << max_position.bit_length())
+            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=device)[None])
             table = self._rope_table = (cos[0, :, 0].to(self.dtype), sin[0, :, 0].to(self.dtype))  # (P, D)
-        return table[0][positions][:, :, None], table[1][positions][:, :, None]
+        return table
 
     @property
     def dtype(self) -> torch.dtype:

@@ -126,18 +126,20 @@ def test_the_torch_road_is_the_same_weights(block_ext, fmt):
 
 
 def test_no_compiler_falls_back_with_one_warning(monkeypatch):
+    """The block product is part of the kernels' extension: without a compiler the kernels warn once, and the
+    product runs on dequantize's matrix, saying nothing more."""
     from torch.utils import cpp_extension
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Error building extension: c++: command not found")
 
-    saved = dict(quant._state)
-    monkeypatch.setattr(quant, "_state", {})
+    saved = dict(kernels._state)
+    monkeypatch.setattr(kernels, "_state", {})
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
     blocks, w = blocks_for(12, 96, "q8_0", seed=9)
     x = torch.randn(3, 96)
-    with pytest.warns(RuntimeWarning, match="block product is unavailable") as caught:
+    with pytest.warns(RuntimeWarning, match="compiled kernels are unavailable") as caught:
         with torch.inference_mode():
             out = quant.block_linear(x, blocks, "q8_0")
     assert len(caught) == 1
@@ -147,4 +149,5 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
             again = quant.block_linear(x, blocks, "q8_0")
     assert torch.equal(out, again) and "command not found" in quant.unavailable_reason()
     torch.testing.assert_close(out, x @ quant.dequantize(blocks, "q8_0").T)
-    assert not quant.compiled() and saved.get("module") is not quant._state.get("module")
+    assert not quant.compiled() and quant.describe().startswith("dequantized copies (RuntimeError")
+    assert saved.get("module") is not kernels._state.get("module")

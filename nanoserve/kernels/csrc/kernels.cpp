@@ -4,11 +4,13 @@
 // order whatever the batch, so a row's result never depends on the rows beside it. Loops over a
 // row's C or D numbers keep LANES partial sums, added in a fixed order at the end: the compiler
 // turns them into vector instructions without being allowed to reorder anything itself.
-#include <torch/extension.h>
+#include "nanoserve.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -16,7 +18,7 @@
 namespace {
 
 constexpr int LANES = 16;
-constexpr int64_t HEADS_AT_ONCE = 16;  // query heads of one kv group whose value sums share each value row's read
+constexpr int64_t HEADS_AT_ONCE = 16;  // query heads whose softmax rows are made ready together
 // LANES floats as one value: +, * act lane by lane (one AVX-512 register, two AVX2 ones); aligned(4) lets
 // it load from any float address. Lane j's arithmetic is the same whatever the vector unit.
 typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
@@ -63,6 +65,19 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+// Tasks 0..n-1 handed out one at a time to whichever of torch's threads is free, each thread calling
+// work(task, scratch) with a scratch of its own: tasks of unequal size (a row's pieces and its short last piece,
+// requests of different lengths) then end together, where fixed runs of tasks would leave one thread the long
+// ones. Which thread computes a task never changes its numbers.
+template <class Scratch, class Work>
+void for_each_task(int64_t n, const Work& work) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t task = next++; task < n; task = next++) work(task, scratch);
+  });
+}
+
 // The largest of x[0..n) (n >= 1), LANES at a time: exact, so any order gives the same number.
 inline float max_of(const float* x, int64_t n) {
   float m = x[0];
@@ -90,11 +105,39 @@ inline float sum_of(const float* x, int64_t n) {
   return s;
 }
 
+// out[h][0 .. 4 * LANES) = inv[h] * sum over keys l, in order, of p[h][l] * v_l, for NH heads of one kv head whose
+// value numbers for key l start at v + at[l]. Key by key: 4 * LANES numbers of a value slot read once, in one
+// contiguous run, for all NH heads; the next keys' numbers asked for ahead of their turn.
+template <int NH>
+inline void value_run(const float* const* p, int64_t n, const float* v, const int64_t* at, const float* inv,
+                      float* out, int64_t D) {
+  vec acc[NH][4] = {};
+  for (int64_t l = 0; l < n; ++l) {
+    const float* vl = v + at[l];
+    const float* ahead = v + at[std::min<int64_t>(l + 8, n - 1)];
+    for (int c = 0; c < 4; ++c) __builtin_prefetch(ahead + c * LANES);
+    const vec v0 = *reinterpret_cast<const vec*>(vl), v1 = *reinterpret_cast<const vec*>(vl + LANES),
+              v2 = *reinterpret_cast<const vec*>(vl + 2 * LANES), v3 = *reinterpret_cast<const vec*>(vl + 3 * LANES);
+    for (int h = 0; h < NH; ++h) {
+      const float ph = p[h][l];
+      acc[h][0] += ph * v0;
+      acc[h][1] += ph * v1;
+      acc[h][2] += ph * v2;
+      acc[h][3] += ph * v3;
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) {
+      const vec o = acc[h][c] * inv[h];
+      for (int j = 0; j < LANES; ++j) out[h * D + c * LANES + j] = o[j];
+    }
+}
+
 // The second half of attention for `heads` query heads of one query, whose scores over its n keys are rows
 // of `scores` (row h at scores + h * stride): each row's softmax in place, then out (head h at out + h * D)
-// = sum over keys l, in order, of p[h][l] * value row l of the head's kv head ((h_first + h) / rep), LANES
-// numbers of d at a time. Key l's value slot starts at vd + at[l]; one read of it serves up to
-// HEADS_AT_ONCE heads. With m_out/l_out (a piece of a split row) each head's max and sum of e^(s - max)
+// = sum over keys l, in order, of p[h][l] * value row l of the head's kv head ((h_first + h) / rep), by
+// `value_run`: key l's value slot starts at vd + at[l], and one read of a kv head's numbers in it serves
+// the heads that share it. With m_out/l_out (a piece of a split row) each head's max and sum of e^(s - max)
 // go there and out keeps the sums unnormalised: the online softmax's state (m, l, acc) of Day 22.
 void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t h_first, int64_t rep, int64_t D,
                 const float* vd, const int64_t* at, float* out, float* m_out = nullptr, float* l_out = nullptr) {
@@ -116,33 +159,49 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
       p[h] = row;
       kv[h] = ((h_first + h0 + h) / rep) * D;
     }
-    for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-      const int64_t dn = std::min<int64_t>(LANES, D - d0);
-      if (dn == LANES) {
-        vec acc[HEADS_AT_ONCE] = {};
-        for (int64_t l = 0; l < n; ++l)
-          for (int64_t h = 0; h < hn; ++h) acc[h] += p[h][l] * *reinterpret_cast<const vec*>(vd + at[l] + kv[h] + d0);
-        for (int64_t h = 0; h < hn; ++h) {
-          const vec o = acc[h] * inv[h];
-          for (int j = 0; j < LANES; ++j) out[(h0 + h) * D + d0 + j] = o[j];
+    for (int64_t a = 0; a < hn;) {  // runs of up to 4 heads that share a kv head
+      int64_t b = a + 1;
+      while (b < hn && b - a < 4 && kv[b] == kv[a]) ++b;
+      int64_t d0 = 0;
+      for (; d0 + 4 * LANES <= D; d0 += 4 * LANES) {
+        float* o = out + (h0 + a) * D + d0;
+        switch (b - a) {
+          case 1: value_run<1>(p + a, n, vd + kv[a] + d0, at, inv + a, o, D); break;
+          case 2: value_run<2>(p + a, n, vd + kv[a] + d0, at, inv + a, o, D); break;
+          case 3: value_run<3>(p + a, n, vd + kv[a] + d0, at, inv + a, o, D); break;
+          default: value_run<4>(p + a, n, vd + kv[a] + d0, at, inv + a, o, D);
         }
-      } else {  // a head_dim that is not a multiple of LANES: its last piece, number by number
-        for (int64_t h = 0; h < hn; ++h) {
+      }
+      for (; d0 < D; d0 += LANES) {  // a head_dim that is not a multiple of 4 * LANES: the rest, head by head
+        const int64_t dn = std::min<int64_t>(LANES, D - d0);
+        for (int64_t h = a; h < b; ++h) {
           float acc[LANES] = {0.f};
           for (int64_t l = 0; l < n; ++l)
             for (int64_t j = 0; j < dn; ++j) acc[j] += p[h][l] * vd[at[l] + kv[h] + d0 + j];
           for (int64_t j = 0; j < dn; ++j) out[(h0 + h) * D + d0 + j] = acc[j] * inv[h];
         }
       }
+      a = b;
     }
   }
 }
 
 // Scores of `heads` query heads of one query (row at qrow, head h at qrow + h * D) over n keys whose slots
-// start at kd + at[l], key by key (each slot read once): scores[h * n + l].
-void decode_scores(const float* qrow, const float* kd, const int64_t* at, int64_t n, int64_t heads, int64_t h_first,
-                   int64_t rep, int64_t D, float scale, float* scores) {
+// start at kd + at[l], key by key (each slot read once): scores[h * n + l]. A decode step's keys come from
+// memory, not cache (the weights streamed since their layer last ran), so each key's numbers are asked for
+// AHEAD keys before their turn, and its values (read once the scores are done, at vd + at[l]) now, into L2.
+void decode_scores(const float* qrow, const float* kd, const float* vd, const int64_t* at, int64_t n, int64_t heads,
+                   int64_t h_first, int64_t rep, int64_t D, float scale, float* scores) {
+  constexpr int64_t AHEAD = 16;
+  const int64_t span0 = (h_first / rep) * D, span1 = ((h_first + heads - 1) / rep + 1) * D;  // the kv heads read
+  for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
+    for (int64_t d = span0; d < span1; d += 16) __builtin_prefetch(kd + at[l] + d);
   for (int64_t l = 0; l < n; ++l) {
+    const float* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
+    for (int64_t d = span0; d < span1; d += 16) {
+      __builtin_prefetch(ahead + d);
+      __builtin_prefetch(vd + at[l] + d, 0, 2);
+    }
     for (int64_t h = 0; h < heads; ++h) {
       const float* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
       scores[h * n + l] = dot(qrow + h * D, k, D) * scale;
@@ -158,6 +217,24 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+// Rows i < n of (x + residual, rms_norm(x + residual) * weight), C numbers each, into out and h; with residual
+// null, out is not written (x is the stream as it is).
+void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
+                       float* out, float* h) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float* o = x + i * C;
+    if (residual) {
+      float* oi = out + i * C;
+      const float* b = residual + i * C;
+      for (int64_t c = 0; c < C; ++c) oi[c] = o[c] + b[c];
+      o = oi;
+    }
+    const float inv = 1.0f / std::sqrt(dot(o, o, C) / static_cast<float>(C) + eps);
+    float* hi = h + i * C;
+    for (int64_t c = 0; c < C; ++c) hi[c] = (o[c] * inv) * weight[c];
+  }
+}
+
 // (x + residual, rms_norm(x + residual) * weight) over the last dim; residual may be None (then x as is).
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                       torch::Tensor weight, double eps) {
@@ -172,45 +249,21 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
     out = torch::empty_like(x);
   }
   auto h = torch::empty_like(x);
-  const float* xp = x.data_ptr<float>();
-  const float* rp = residual.has_value() ? residual->data_ptr<float>() : nullptr;
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  float* hp = h.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  for (int64_t i = 0; i < N; ++i) {
-    float* o = op + i * C;
-    if (rp) {
-      const float* a = xp + i * C;
-      const float* b = rp + i * C;
-      for (int64_t c = 0; c < C; ++c) o[c] = a[c] + b[c];
-    }
-    const float inv = 1.0f / std::sqrt(dot(o, o, C) / static_cast<float>(C) + feps);
-    float* hi = hp + i * C;
-    for (int64_t c = 0; c < C; ++c) hi[c] = (o[c] * inv) * wp[c];
-  }
+  add_rms_norm_rows(x.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
+                    weight.data_ptr<float>(), N, C, static_cast<float>(eps), out.data_ptr<float>(), h.data_ptr<float>());
   return {out, h};
 }
 
-// Rotate the first `heads` heads of qkv (N, heads_total, D) in place by each token's cos/sin (N, D):
-// the pairs (x_i, x_{i+D/2}), as apply_rope does.
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
-  check_f32(qkv, "qkv");
-  check_f32(cos, "cos");
-  check_f32(sin, "sin");
-  const int64_t D = qkv.size(-1), HT = qkv.size(-2), N = qkv.numel() / (HT * D), half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim ", D, ": expected an even number up to 512");
-  TORCH_CHECK(0 <= heads && heads <= HT, "heads ", heads, " out of 0..", HT);
-  TORCH_CHECK(cos.numel() == N * D && sin.numel() == N * D, "cos/sin: expected ", N, " x ", D, " numbers");
-  float* p = qkv.data_ptr<float>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+// Rotate the first `heads` of the HT heads of each of n rows of qkv (n, HT, D) in place by each row's cos/sin
+// (n, D): the pairs (x_i, x_{i+D/2}), as apply_rope does. D even, at most 512.
+void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
   float rotated[512];
-  for (int64_t i = 0; i < N; ++i) {
-    const float* c = cp + i * D;
-    const float* s = sp + i * D;
+  for (int64_t i = 0; i < n; ++i) {
+    const float* c = cos + i * D;
+    const float* s = sin + i * D;
     for (int64_t h = 0; h < heads; ++h) {
-      float* x = p + (i * HT + h) * D;
+      float* x = qkv + (i * HT + h) * D;
       for (int64_t d = 0; d < half; ++d) {
         rotated[d] = x[d] * c[d] - x[d + half] * s[d];
         rotated[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
@@ -218,6 +271,33 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
       std::copy(rotated, rotated + D, x);
     }
   }
+}
+
+// Rotate the first `heads` heads of qkv (N, heads_total, D) in place by each token's cos/sin (N, D).
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+  check_f32(qkv, "qkv");
+  check_f32(cos, "cos");
+  check_f32(sin, "sin");
+  const int64_t D = qkv.size(-1), HT = qkv.size(-2), N = qkv.numel() / (HT * D);
+  TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim ", D, ": expected an even number up to 512");
+  TORCH_CHECK(0 <= heads && heads <= HT, "heads ", heads, " out of 0..", HT);
+  TORCH_CHECK(cos.numel() == N * D && sin.numel() == N * D, "cos/sin: expected ", N, " x ", D, " numbers");
+  rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), N, HT, heads, D);
+}
+
+// SwiGLU's middle for n rows: gate_up (n, 2I) -> silu(gate) * up (n, I).
+void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out) {
+  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* gi = gate_up + i * 2 * I;
+      const float* ui = gi + I;
+      float* oi = out + i * I;
+      for (int64_t c = 0; c < I; ++c) {
+        const float x = gi[c];
+        oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
+      }
+    }
+  });
 }
 
 // SwiGLU's middle: gate_up (..., 2I) -> silu(gate) * up (..., I).
@@ -228,19 +308,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float* gi = g + i * I2;
-      const float* ui = gi + I;
-      float* oi = o + i * I;
-      for (int64_t c = 0; c < I; ++c) {
-        const float x = gi[c];
-        oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
-      }
-    }
-  });
+  silu_mul_rows(gate_up.data_ptr<float>(), N, I, out.data_ptr<float>());
   return out;
 }
 
@@ -259,17 +327,19 @@ void split_decode(const std::vector<int64_t>& rows, const float* qd, const float
   for (int64_t s = 0; s < R; ++s) first[s + 1] = first[s] + (lens[rows[s]] + P - 1) / P;
   const int64_t pieces = first[R];
   std::vector<float> acc(pieces * H * D), m(pieces * H), l(pieces * H);  // (piece, head, ...)
-  at::parallel_for(0, pieces, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(H * P);
-    std::vector<int64_t> at(P);
-    for (int64_t piece = begin; piece < end; ++piece) {
-      const int64_t s = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
-      const int64_t r = rows[s], l0 = (piece - first[s]) * P, n = std::min(P, lens[r] - l0);
-      for (int64_t j = 0; j < n; ++j) at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
-      decode_scores(qd + qsl[r] * H * D, kd, at.data(), n, H, 0, rep, D, scale, scores.data());
-      value_sums(scores.data(), n, n, H, 0, rep, D, vd, at.data(), acc.data() + piece * H * D, m.data() + piece * H,
-                 l.data() + piece * H);
-    }
+  struct Scratch {
+    std::vector<float> scores;
+    std::vector<int64_t> at;
+  };
+  for_each_task<Scratch>(pieces, [&](int64_t piece, Scratch& sc) {
+    const int64_t s = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
+    const int64_t r = rows[s], l0 = (piece - first[s]) * P, n = std::min(P, lens[r] - l0);
+    sc.scores.resize(H * n);
+    sc.at.resize(n);
+    for (int64_t j = 0; j < n; ++j) sc.at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
+    decode_scores(qd + qsl[r] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
+    value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
+               m.data() + piece * H, l.data() + piece * H);
   });
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
@@ -344,17 +414,10 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     }
     for (int64_t i = 0; i < T; i += TILE) tiles.push_back({r, i, std::min(T, i + TILE)});
   }
-  // at::parallel_for hands each thread one contiguous run of tasks; a tile's work grows with its keys, so
-  // deal the tiles heaviest, lightest, next heaviest, ... to give every run a like share.
+  // Tasks go to whichever thread is free (for_each_task), heaviest first: a tile's work grows with its keys.
   std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
     return lens[a[0]] - (qsl[a[0] + 1] - qsl[a[0]]) + a[2] > lens[b[0]] - (qsl[b[0] + 1] - qsl[b[0]]) + b[2];
   });
-  std::vector<std::array<int64_t, 3>> dealt;
-  for (size_t lo = 0, hi = tiles.size(); lo < hi;) {
-    dealt.push_back(tiles[lo++]);
-    if (lo < hi) dealt.push_back(tiles[--hi]);
-  }
-  tiles.swap(dealt);
   auto out = torch::zeros({N, H * D}, q.options());
   const float* qd = q.data_ptr<float>();
   const float* kd = k_pool.data_ptr<float>();
@@ -366,65 +429,62 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   // way every (query, head) row is computed by the same loops in the same order.
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   const bool per_head = n_tiles < 4 * at::get_num_threads();
-  at::parallel_for(0, per_head ? n_tiles * K : n_tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, kt(D * LANES);
+  struct Scratch {
+    std::vector<float> scores, kt;
     std::vector<int64_t> at;  // where key l's slot starts in the pool (every kv head's numbers, side by side)
-    for (int64_t task = begin; task < end; ++task) {
-      const auto& tile = tiles[per_head ? task / K : task];
-      const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
-      const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
-      const int64_t* table = tables + r * W;
-      const int64_t first = lens[r] - T;            // keys before the request's first query
-      const int64_t n_max = first + i1;             // keys the tile's last query sees
-      at.resize(n_max);
-      for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
-      if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
-        const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
-        scores.resize(heads * n_max);
-        decode_scores(qd + (row * H + h_first) * D, kd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
-        value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
-        continue;
-      }
-      const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
-      scores.resize(rows * n_max);
-      for (int64_t g = g0; g < g1; ++g) {
-        // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
-        // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
-        for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
-          const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
-          for (int64_t j = 0; j < kn; ++j) {
-            const float* k = kd + at[l0 + j] + g * D;
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = k[d];
-          }
-          for (int64_t j = kn; j < LANES; ++j)
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t n = first + i + 1;
-            if (n <= l0) continue;
-            for (int64_t h = 0; h < rep; ++h) {
-              const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
-              vec acc = {};
-              for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
-              acc *= fscale;
-              float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
-              const int64_t m = std::min<int64_t>(kn, n - l0);
-              for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
-            }
+  };
+  for_each_task<Scratch>(per_head ? n_tiles * K : n_tiles, [&](int64_t task, Scratch& sc) {
+    std::vector<float>& scores = sc.scores;
+    std::vector<float>& kt = sc.kt;
+    std::vector<int64_t>& at = sc.at;
+    kt.resize(D * LANES);
+    const auto& tile = tiles[per_head ? task / K : task];
+    const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
+    const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
+    const int64_t* table = tables + r * W;
+    const int64_t first = lens[r] - T;            // keys before the request's first query
+    const int64_t n_max = first + i1;             // keys the tile's last query sees
+    at.resize(n_max);
+    for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
+    if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
+      const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
+      scores.resize(heads * n_max);
+      decode_scores(qd + (row * H + h_first) * D, kd, vd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
+      value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
+      return;
+    }
+    const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
+    scores.resize(rows * n_max);
+    for (int64_t g = g0; g < g1; ++g) {
+      // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
+      // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
+      for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
+        const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
+        for (int64_t j = 0; j < kn; ++j) {
+          const float* k = kd + at[l0 + j] + g * D;
+          for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = k[d];
+        }
+        for (int64_t j = kn; j < LANES; ++j)
+          for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t n = first + i + 1;
+          if (n <= l0) continue;
+          for (int64_t h = 0; h < rep; ++h) {
+            const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
+            vec acc = {};
+            for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
+            acc *= fscale;
+            float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
+            const int64_t m = std::min<int64_t>(kn, n - l0);
+            for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
           }
         }
-        for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
-          value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
-                     od + ((qsl[r] + i) * H + g * rep) * D);
       }
+      for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
+        value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
+                   od + ((qsl[r] + i) * H + g * rep) * D);
     }
   });
   if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
-  m.def("rope_", &rope_, "rotate the first heads of qkv in place");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
 }

@@ -10,7 +10,8 @@
 // takes weight j of every block, in block order, by fused multiply-add), then adds them in a fixed tree.
 // AVX-512, AVX2 and the portable loop run that same arithmetic, so they give the same bits, and a row's
 // result never depends on the other rows of x: batching cannot change it.
-#include <torch/extension.h>
+#include "nanoserve.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -29,7 +30,7 @@ constexpr int64_t Q4_1_BYTES = 20;    // 2 + 2 + 16
 constexpr int64_t Q8_0_BYTES = 34;    // 2 + 32
 constexpr int64_t ROWS_PER_TASK = 16; // weight rows one thread takes at a time (their blocks stay in L1)
 #ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 2048
+#define PREFETCH_BYTES 4096
 #endif
 constexpr int64_t PREFETCH = PREFETCH_BYTES;  // how far ahead of the block in use its row's bytes are asked for
 
@@ -114,32 +115,39 @@ inline void expand(const uint8_t* blk, __m512& w0, __m512& w1) {
   }
 }
 
+// (The loops over g and r are unrolled by name: it is what lets the compiler keep acc in registers.)
 template <Fmt F, int G, int R>
 void row_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  __m512 acc[G][R][2];
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) acc[g][r][0] = acc[g][r][1] = _mm512_setzero_ps();
+  __m512 acc[2 * G * R];  // (g, r)'s two sums at 2 * (g * R + r)
+#pragma GCC unroll 16
+  for (int i = 0; i < 2 * G * R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       const uint8_t* blk = w + g * row_bytes + b * BYTES;
       __m512 w0, w1;
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
       expand<F>(blk, w0, w1);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float* xb = x + r * ldx + b * QK;
-        acc[g][r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[g][r][0]);
-        acc[g][r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[g][r][1]);
+        __m512* a = acc + 2 * (g * R + r);
+        a[0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a[0]);
+        a[1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a[1]);
       }
     }
   }
+#pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce16(_mm512_add_ps(acc[g][r][0], acc[g][r][1]));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce16(_mm512_add_ps(acc[2 * (g * R + r)], acc[2 * (g * R + r) + 1]));
 }
 constexpr int TILE = 8;  // rows of x per expanded block: 16 accumulators of the 32 registers
 // weight rows taken together for R rows of x: a dot product is a chain of dependent adds, so a few rows of x
-// alone leave the FMA units waiting on each chain; more weight rows give them independent chains to overlap
-constexpr int rows_together(int R) { return R <= 2 ? 4 / R : R <= 4 ? 2 : 1; }
+// alone leave the FMA units waiting on each chain; a second weight row gives them independent chains to
+// overlap (more rows would be more streams from memory at once, which measured slower)
+constexpr int rows_together(int R) { return R <= 4 ? 2 : 1; }
 
 #elif defined(__AVX2__)
 
@@ -167,26 +175,32 @@ inline void expand(const uint8_t* blk, __m256 w[4]) {
 template <Fmt F, int G, int R>
 void row_tile(const uint8_t* w, int64_t row_bytes, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  __m256 acc[G][R][4];
-  for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < 4; ++k) acc[g][r][k] = _mm256_setzero_ps();
+  __m256 acc[4 * G * R];  // (g, r)'s four sums at 4 * (g * R + r)
+#pragma GCC unroll 16
+  for (int i = 0; i < 4 * G * R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+#pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       const uint8_t* blk = w + g * row_bytes + b * BYTES;
       __m256 wv[4];
       _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
       expand<F>(blk, wv);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const float* xb = x + r * ldx + b * QK;
-        for (int k = 0; k < 4; ++k) acc[g][r][k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[g][r][k]);
+        __m256* a = acc + 4 * (g * R + r);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), a[k]);
       }
     }
   }
+#pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
-    for (int r = 0; r < R; ++r)
-      out[r * ldo + g] = reduce8(_mm256_add_ps(_mm256_add_ps(acc[g][r][0], acc[g][r][2]),
-                                               _mm256_add_ps(acc[g][r][1], acc[g][r][3])));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256* a = acc + 4 * (g * R + r);
+      out[r * ldo + g] = reduce8(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3])));
+    }
 }
 constexpr int TILE = 2;  // 8 accumulators and 4 weights of the 16 registers
 constexpr int rows_together(int R) { return R == 1 ? 2 : 1; }  // (see the AVX-512 build)
@@ -261,6 +275,35 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
 
 }  // namespace
 
+// Rows ids[0..n) of a weight (rows of K / 32 blocks) expanded to fp32 into out (n, K), as kernels/quant.py's
+// dequantize computes them (d * q, then + m): an embedding lookup on blocks.
+void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  const int64_t nb = K / QK, bytes = q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = w + (ids[i] * nb + b) * bytes;
+      float* o = out + i * K + b * QK;
+      const float d = *fp16(blk);
+      if (q4_1) {
+        const float m = *fp16(blk + 2);
+        for (int j = 0; j < 16; ++j) {
+          o[j] = d * static_cast<float>(blk[4 + j] & 15) + m;
+          o[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+        }
+      } else {
+        for (int j = 0; j < 32; ++j) o[j] = static_cast<float>(static_cast<int8_t>(blk[2 + j])) * d;
+      }
+    }
+  }
+}
+
+// x (B, K) times a weight of N rows held as blocks (N, K / 32 * block bytes) -> out (B, N): block_linear on
+// raw numbers, for callers that have checked the shapes (BlockModel, step.cpp).
+void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
+  if (q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x, B, out);
+  else matmul<Fmt::Q8_0>(w, N, K / QK, x, B, out);
+}
+
 // x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N).
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt) {
   TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
@@ -285,8 +328,4 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fm
   if (f == Fmt::Q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
   else matmul<Fmt::Q8_0>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
 }

@@ -1,0 +1,15 @@
+// The Python bindings of the kernels (nanoserve.h lists them).
+#include "nanoserve.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
+  m.def("rope_", &rope_, "rotate the first heads of qkv in place");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
+  m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
+  // module_local: two builds of these kernels may be loaded in one process (a build compared with another)
+  pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
+      .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<std::string>, int64_t, int64_t, double>())
+      .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits");
+}

@@ -1,0 +1,51 @@
+// The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
+// attention), quant.cpp (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call) and
+// module.cpp (the Python bindings).
+#pragma once
+#include <torch/extension.h>
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
+                                                      torch::Tensor weight, double eps);
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
+                              torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                              double scale, int64_t split_keys);
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
+// The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
+void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
+                       float* out, float* h);
+void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
+void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
+void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
+void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
+
+// A model on blocks, stepped by one call (step.cpp): its weights checked and held once, each step's
+// inputs passed to `step`.
+class BlockModel {
+ public:
+  BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
+             std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, int64_t n_heads, int64_t n_kv_heads,
+             double eps);
+  torch::Tensor step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
+                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
+                     torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
+                     torch::Tensor last_rows, double scale, int64_t split_keys);
+
+ private:
+  struct Matrix {
+    const uint8_t* blocks;
+    bool q4_1;
+    int64_t rows, cols;  // the weight's (out, in)
+  };
+  std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
+  Matrix embed_;
+  std::vector<const float*> norms_;  // attn_norm and mlp_norm of each layer, then the final norm
+  std::vector<Matrix> mats_;         // wqkv, wo, w_gate_up, w_down of each layer, then the head
+  int64_t L_, H_, K_, C_, I_;
+  float eps_;
+};

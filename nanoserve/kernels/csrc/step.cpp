@@ -1,0 +1,149 @@
+// A model held on GGUF blocks, stepped by one call (nanoserve/model/compiled.py says when it runs and why):
+// the embedding rows, every layer of the Python forward (model/llama.py, Block.forward), then the LM head at
+// each request's last token. It runs the loops the Python forward reaches, in the same order, on the same rows,
+// so its logits are that forward's bit for bit; what it saves is the Python and the tensor bookkeeping between.
+#include "nanoserve.h"
+
+#include <cstring>
+
+namespace {
+
+int64_t block_bytes(const std::string& fmt, const char* what, int64_t i) {
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1 or q8_0");
+  return fmt == "q4_1" ? 20 : 34;
+}
+
+void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && (n < 0 || t.numel() == n), name,
+              ": expected ", n < 0 ? std::string("") : std::to_string(n) + " ", "contiguous int64");
+}
+
+}  // namespace
+
+// embed: the token table's blocks (V rows); norms: attn_norm and mlp_norm of each layer, then the final norm;
+// blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head. Every shape is checked here, once.
+BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
+                       std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, int64_t n_heads,
+                       int64_t n_kv_heads, double eps)
+    : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)) {
+  TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && norms.size() == blocks.size() / 2 + 1,
+              "expected 4 matrices and 2 norms per layer, then the head and the final norm; got ", blocks.size(),
+              " matrices, ", fmts.size(), " formats and ", norms.size(), " norms");
+  L_ = static_cast<int64_t>(blocks.size() / 4);
+  TORCH_CHECK(norms[0].dim() == 1, "norms: expected vectors");
+  C_ = norms[0].numel();
+  auto matrix = [&](const torch::Tensor& t, const std::string& fmt, int64_t cols, const char* what, int64_t i) {
+    const int64_t bytes = block_bytes(fmt, what, i);
+    TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % 32 == 0 &&
+                    t.size(1) == cols / 32 * bytes,
+                what, " ", i, ": expected contiguous uint8 rows of ", cols / 32 * bytes, " bytes (", cols,
+                " inputs as ", fmt, "), got ", t.scalar_type(), " ", t.sizes());
+    keep_.push_back(t);
+    return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols};
+  };
+  embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
+  for (const auto& w : norms) {
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == C_,
+                "norms: expected contiguous float32 weights of ", C_, " numbers");
+    keep_.push_back(w);
+    norms_.push_back(w.data_ptr<float>());
+  }
+  for (int64_t layer = 0; layer < L_; ++layer) {
+    const Matrix qkv = matrix(blocks[4 * layer], fmts[4 * layer], C_, "blocks", 4 * layer);
+    TORCH_CHECK(H_ > 0 && K_ > 0 && H_ % K_ == 0 && qkv.rows % (H_ + 2 * K_) == 0, "layer ", layer, ": ", qkv.rows,
+                " q/k/v rows do not split into ", H_, " + 2 x ", K_, " heads");
+    const int64_t D = qkv.rows / (H_ + 2 * K_);
+    TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim ", D, ": expected an even number up to 512");
+    const Matrix wo = matrix(blocks[4 * layer + 1], fmts[4 * layer + 1], H_ * D, "blocks", 4 * layer + 1);
+    const Matrix gate_up = matrix(blocks[4 * layer + 2], fmts[4 * layer + 2], C_, "blocks", 4 * layer + 2);
+    const Matrix down = matrix(blocks[4 * layer + 3], fmts[4 * layer + 3], gate_up.rows / 2, "blocks", 4 * layer + 3);
+    TORCH_CHECK(wo.rows == C_ && down.rows == C_ && gate_up.rows % 2 == 0 && (layer == 0 || gate_up.rows == 2 * I_),
+                "layer ", layer, ": matrix shapes do not fit the hidden size ", C_);
+    I_ = gate_up.rows / 2;
+    mats_.insert(mats_.end(), {qkv, wo, gate_up, down});
+  }
+  mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
+}
+
+// One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
+// pool (L, blocks, block_size, K, D) and the step's metadata (attention/metadata.py). Returns the logits (R, V)
+// at rows last_rows (R,).
+torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
+                               torch::Tensor sin_table, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slot_mapping, torch::Tensor query_start_loc, torch::Tensor seq_lens,
+                               torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys) {
+  const int64_t n = ids.numel(), H = H_, K = K_, C = C_, I = I_, HT = H + 2 * K, D = mats_[0].rows / HT;
+  check_i64(ids, -1, "ids");
+  check_i64(positions, n, "positions");
+  check_i64(slot_mapping, n, "slot_mapping");
+  check_i64(last_rows, -1, "last_rows");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 5 && k_cache.size(0) == L_ &&
+              k_cache.size(3) == K && k_cache.size(4) == D && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
+              "k_cache/v_cache: expected contiguous float32 (", L_, ", blocks, block_size, ", K, ", ", D, ") of one shape");
+  TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D && sin_table.sizes() == cos_table.sizes() &&
+              cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.scalar_type() == torch::kFloat32 &&
+              sin_table.scalar_type() == torch::kFloat32, "cos/sin tables: expected contiguous float32 (P, ", D, ")");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  const int64_t* last = last_rows.data_ptr<int64_t>();
+  const int64_t slots = k_cache.size(1) * k_cache.size(2), width = K * D, R = last_rows.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(id[i] >= 0 && id[i] < embed_.rows, "ids: row ", i, " token ", id[i], " outside the vocabulary of ",
+                embed_.rows);
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < cos_table.size(0), "positions: row ", i, " position ", pos[i],
+                " outside the rope tables of ", cos_table.size(0));
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < slots, "slot_mapping: row ", i, " slot ", slot[i], " outside the pool of ",
+                slots, " slots");
+  }
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(last[r] >= 0 && last[r] < n, "last_rows: ", last[r], " is not a row of the step's ", n);
+
+  // the step's numbers, each buffer reused by every layer
+  const auto f32 = cos_table.options();
+  torch::Tensor stream = torch::empty({n, C}, f32), stream2 = torch::empty({n, C}, f32), h = torch::empty({n, C}, f32);
+  torch::Tensor qkv = torch::empty({n, HT, D}, f32), q = torch::empty({n, H, D}, f32);
+  torch::Tensor o = torch::empty({n, C}, f32), gu = torch::empty({n, 2 * I}, f32), act = torch::empty({n, I}, f32);
+  torch::Tensor cs = torch::empty({2, n, D}, f32);
+  float *xs = stream.data_ptr<float>(), *x2 = stream2.data_ptr<float>(), *hp = h.data_ptr<float>();
+  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *op = o.data_ptr<float>();
+  float *gup = gu.data_ptr<float>(), *ap = act.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = cp + n * D;
+  for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
+    std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
+    std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
+  }
+  dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
+  auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
+    block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
+  };
+  for (int64_t layer = 0; layer < L_; ++layer) {
+    const Matrix* w = &mats_[4 * layer];
+    // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
+    add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
+    product(w[0], hp, n, qkvp);
+    rope_rows(qkvp, cp, sp, n, HT, H + K, D);
+    float* kp = k_cache.select(0, layer).data_ptr<float>();
+    float* vp = v_cache.select(0, layer).data_ptr<float>();
+    for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
+      const float* row = qkvp + i * HT * D;
+      std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
+      std::memcpy(kp + slot[i] * width, row + H * D, width * sizeof(float));
+      std::memcpy(vp + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+    }
+    torch::Tensor attn = paged_attention(q, k_cache.select(0, layer), v_cache.select(0, layer), query_start_loc,
+                                         seq_lens, block_tables, scale, split_keys);
+    product(w[1], attn.data_ptr<float>(), n, op);
+    add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
+    // the MLP: x + w_down(silu(gate) * up)
+    product(w[2], hp, n, gup);
+    silu_mul_rows(gup, n, I, ap);
+    product(w[3], ap, n, op);
+    for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
+  }
+  add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
+  torch::Tensor rows = torch::empty({R, C}, f32), logits = torch::empty({R, mats_[4 * L_].rows}, f32);
+  for (int64_t r = 0; r < R; ++r) std::memcpy(rows.data_ptr<float>() + r * C, hp + last[r] * C, C * sizeof(float));
+  product(mats_[4 * L_], rows.data_ptr<float>(), R, logits.data_ptr<float>());
+  return logits;
+}

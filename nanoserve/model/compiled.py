@@ -1,0 +1,66 @@
+"""A model on GGUF blocks, stepped by one compiled call (`kernels/csrc/step.cpp`).
+
+On the blocks a decode step's weight products stream a fifth of the fp32 bytes, and what is left is
+Python: `Llama.hidden_states` makes some three hundred small calls per step (norms, views, the backend's
+writes, the products' dispatch), each a few microseconds, and at batch 1 they add up to as much time as
+the products. `BlockStep` runs the same loops in the same order from C++: the embedding rows, every layer,
+then the LM head at each request's last token. Its logits are the Python forward's bit for bit
+(tests/model/test_compiled.py); the Python forward stays the definition, and runs wherever this does not apply.
+
+It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`),
+with the compiled kernels on, and to a step whose requests all have keys cached before their new tokens
+(decode tokens, and chunks after a cached context): a whole prompt takes torch's fused causal attention in
+the Python forward, which this call does not have.
+
+    >>> step = BlockStep.of(model)                       # None unless the model is on blocks  # doctest: +SKIP
+    >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import kernels
+from ..attention.metadata import AttentionMetadata
+from .llama import Llama
+from .matmul import BlockWeight
+
+
+def applies(md: AttentionMetadata) -> bool:
+    """Whether a step may run compiled: no request computes a whole prompt (every one attends over keys
+    already in the cache, which the paged kernel reads where they lie)."""
+    return all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host))
+
+
+class BlockStep:
+    """The model's weights handed to the compiled `BlockModel` once (checked there), then one call per step."""
+
+    def __init__(self, model: Llama, compiled):
+        self.model, self.compiled = model, compiled
+
+    @classmethod
+    def of(cls, model: Llama) -> BlockStep | None:
+        """The compiled step of `model`, or None where it cannot run: a matrix not on blocks, not fp32, or no
+        compiled kernels."""
+        mats = model.matrices()
+        if model.dtype != torch.float32 or not all(isinstance(m, BlockWeight) for m in mats) \
+                or not isinstance(model.embed, BlockWeight) or not kernels.enabled():
+            return None
+        norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
+        cfg = model.cfg
+        compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
+            model.embed.blocks, model.embed.fmt, [n.detach().contiguous() for n in norms], [m.blocks for m in mats],
+            [m.fmt for m in mats], cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps)
+        return cls(model, compiled)
+
+    @torch.inference_mode()
+    def __call__(self, ids: Tensor, md: AttentionMetadata, storage, split_keys: int | None = None) -> Tensor:
+        """Logits (R, V) at each request's last token, as the Python forward gives them; the step's k/v are
+        written into `storage` (a KVStorage) on the way. Only the step's real tokens are computed."""
+        n = md.num_tokens
+        cos, sin = self.model.rope_tables(max(md.seq_lens_host) - 1)  # (P, D) each, every position of the step
+        return self.compiled.step(
+            ids[:n], md.positions[:n], cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
+            md.seq_lens, md.block_tables, md.last_rows, self.model.cfg.head_dim ** -0.5,
+            kernels.SPLIT_KEYS if split_keys is None else split_keys)
