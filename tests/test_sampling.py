@@ -3,6 +3,7 @@ and a statistical check that Sampler draws from exactly the distribution filtere
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve import kernels
 from nanoserve.sampling import (
     ARGMAX_CHUNK,
     Sampler,
@@ -124,9 +126,10 @@ def test_temperature_zero_is_one_hot_on_argmax():
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 5), chunks=st.integers(1, 8),
        ties=st.booleans(), nans=st.integers(0, 2), neg_inf_row=st.booleans())
-def test_argmax_rows_is_argmax(seed, rows, chunks, ties, nans, neg_inf_row):
-    """The chunked argmax picks exactly what torch's argmax picks: the first maximal index, ties
-    across and within chunks included, NaN counted as largest, an all -inf row at 0."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_argmax_rows_is_argmax(compiled, seed, rows, chunks, ties, nans, neg_inf_row):
+    """Both roads (the compiled kernel, and torch's chunked one) pick exactly what torch's argmax picks: the
+    first maximal index, ties across and within chunks included, NaN counted as largest, an all -inf row at 0."""
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, chunks * ARGMAX_CHUNK, generator=g)
     if ties:  # the maximum repeated at several places, in several chunks
@@ -137,7 +140,9 @@ def test_argmax_rows_is_argmax(seed, rows, chunks, ties, nans, neg_inf_row):
         logits.view(-1)[at] = math.nan
     if neg_inf_row:
         logits[-1] = -math.inf
-    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    with contextlib.nullcontext() if compiled else kernels.torch_ops():
+        assert kernels.enabled() == (compiled and kernels.load() is not None)
+        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
 def test_argmax_rows_other_widths_and_strided_logits():
@@ -145,6 +150,15 @@ def test_argmax_rows_other_widths_and_strided_logits():
     assert torch.equal(argmax_rows(logits), logits.argmax(-1))
     strided = torch.randn(ARGMAX_CHUNK * 4, 3).t()  # rows not contiguous
     assert torch.equal(argmax_rows(strided), strided.argmax(-1))
+
+
+@pytest.mark.parametrize("width", [1, 3, 16, 17, 33])
+def test_argmax_rows_short_rows_and_a_nan_in_the_tail(width):
+    logits = torch.randn(4, width, generator=torch.Generator().manual_seed(width))
+    logits[1, -1] = math.nan  # past the last whole vector of the compiled road
+    logits[2] = -math.inf
+    logits[3, 0] = logits[3].max() + 1
+    assert torch.equal(argmax_rows(logits), logits.argmax(-1))
 
 
 def test_temperature_scales_logits():

@@ -22,6 +22,7 @@ A query at position p attends over its request's keys 0..p. N is n rounded up by
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,9 +104,15 @@ def prepare(chunks: Sequence[Chunk], block_size: int, min_rows: int = 1) -> tupl
     n_real = starts[-1]
     pad = forward_rows(max(n_real, min_rows)) - n_real
     width = max(-(-s // block_size) for s in seq_lens)
-    tables = [list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table))) for c in chunks]
+    R, N = len(chunks), n_real + pad
+    tables = [b for c in chunks for b in list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table)))]
+    # one tensor made from one list (through an array of int64: a list's own road converts number by number),
+    # cut into the fields as contiguous views: a step's host work is paid every step
+    flat = torch.frombuffer(array("q", ids + [0] * pad + positions + [0] * pad + starts + seq_lens + slots + tables),
+                            dtype=torch.int64)
+    ids_t, positions_t, starts_t, lens_t, slots_t, tables_t = flat.split([N, N, R + 1, R, n_real, R * width])
     md = AttentionMetadata(
-        query_start_loc=torch.tensor(starts), seq_lens=torch.tensor(seq_lens), block_tables=torch.tensor(tables),
-        slot_mapping=torch.tensor(slots), positions=torch.tensor(positions + [0] * pad),
-        query_lens=tuple(len(c.token_ids) for c in chunks), seq_lens_host=tuple(seq_lens), block_size=block_size)
-    return torch.tensor(ids + [0] * pad), md
+        query_start_loc=starts_t, seq_lens=lens_t, block_tables=tables_t.view(R, width), slot_mapping=slots_t,
+        positions=positions_t, query_lens=tuple(len(c.token_ids) for c in chunks), seq_lens_host=tuple(seq_lens),
+        block_size=block_size)
+    return ids_t, md

@@ -193,6 +193,13 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return _ext().silu_mul(gate_up)
 
 
+def argmax_rows(logits: Tensor) -> Tensor:
+    """logits (B, V) fp32 -> (B,) each row's first largest index, a NaN counting as largest (torch.argmax's)."""
+    if has_torch_function((logits,)):
+        return handle_torch_function(argmax_rows, (logits,), logits)
+    return _ext().argmax_rows(logits)
+
+
 SPLIT_KEYS = 512
 """Split-K's piece: a decode row with more keys than this is read in pieces of this many keys, one task each,
 merged in order (flash-decoding). A constant, so a row's pieces, and its bits, never depend on the batch or

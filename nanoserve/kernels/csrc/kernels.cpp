@@ -312,6 +312,58 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// Each row's argmax: logits (B, V) -> (B,) int64, the first index of the row's largest value, a NaN counting
+// as largest, as torch.argmax answers. Comparisons only, one pass: LANES running maxima, each with the first
+// index it was seen at (a larger value replaces it, an equal one does not), then the lanes compared; a row
+// holding a NaN is searched for its first NaN instead.
+torch::Tensor argmax_rows(torch::Tensor logits) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: expected (rows, vocab) with vocab > 0");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V < (int64_t(1) << 31), "logits: rows of ", V, " are too long");
+  auto out = torch::empty({B}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      float m = x[0];
+      int64_t best = 0, i = 0;
+      bool nan = false;
+      if (V >= LANES) {
+        vec acc = *reinterpret_cast<const vec*>(x);
+        ivec at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, now = at;
+        ivec seen = acc != acc;
+        for (i = LANES; i + LANES <= V; i += LANES) {
+          const vec y = *reinterpret_cast<const vec*>(x + i);
+          now += LANES;
+          const ivec larger = y > acc;
+          acc = larger ? y : acc;
+          at = larger ? now : at;
+          seen |= y != y;
+        }
+        m = acc[0];
+        best = at[0];
+        for (int j = 1; j < LANES; ++j) {
+          nan = nan || seen[j];
+          if (acc[j] > m || (acc[j] == m && at[j] < best)) m = acc[j], best = at[j];
+        }
+        nan = nan || seen[0];
+      }
+      for (; i < V; ++i) {
+        nan = nan || x[i] != x[i];
+        if (x[i] > m) m = x[i], best = i;
+      }
+      if (nan) {  // the first NaN
+        best = 0;
+        while (x[best] == x[best]) ++best;
+      }
+      op[r] = best;
+    }
+  });
+  return out;
+}
+
 namespace {
 
 // Split-K for decode rows (flash-decoding): the keys of request r (one query) are cut into pieces of P keys,

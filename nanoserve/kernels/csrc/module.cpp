@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "rotate the first heads of qkv in place");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
+  m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");
   m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")

@@ -16,6 +16,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                               double scale, int64_t split_keys);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
+torch::Tensor argmax_rows(torch::Tensor logits);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
