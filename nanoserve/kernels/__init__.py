@@ -226,12 +226,14 @@ def _ext() -> ModuleType:
     return module
 
 
-def cpp_source(name: str) -> str:
-    """One C++ function of `SOURCE`, with the comment above it: what the notebooks show of the kernels."""
-    lines = SOURCE.read_text().splitlines()
+def cpp_source(name: str, file: str = "kernels.cpp") -> str:
+    """One C++ function of a file of `csrc/` (`SOURCE` unless told), with the comment above it: what the
+    notebooks show of the kernels."""
+    path = CSRC / file
+    lines = path.read_text().splitlines()
     start = next((i for i, ln in enumerate(lines) if not ln.startswith((" ", "//", "}")) and f" {name}(" in ln), None)
     if start is None:
-        raise KeyError(f"no function {name!r} in {SOURCE.name}")
+        raise KeyError(f"no function {name!r} in {path.name}")
     end = lines.index("}", start)
     while start > 0 and lines[start - 1].startswith("//"):
         start -= 1

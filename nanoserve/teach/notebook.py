@@ -11,11 +11,14 @@ def show_source(obj: object) -> None:
 
 
 def show_cpp(name: str, source: str = "kernels") -> None:
-    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`), or with
-    source="quant" of the block product's (`kernels.quant.cpp_source`)."""
+    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`), with source="quant"
+    of the block product's (`kernels.quant.cpp_source`), with source="step" of the one-call model step's."""
     from ..kernels import cpp_source, quant
 
-    _show((quant.cpp_source if source == "quant" else cpp_source)(name), "cpp")
+    if source == "quant":
+        _show(quant.cpp_source(name), "cpp")
+    else:
+        _show(cpp_source(name, "step.cpp" if source == "step" else "kernels.cpp"), "cpp")
 
 
 def _show(src: str, language: str) -> None:

@@ -232,6 +232,8 @@ def test_cpp_source_returns_one_whole_function_with_its_comment():
     assert "torch::Tensor paged_attention(" in attn and "silu_mul" not in attn
     with pytest.raises(KeyError, match="no function 'nope'"):
         kernels.cpp_source("nope")
+    step = kernels.cpp_source("BlockModel::step", "step.cpp")
+    assert step.startswith("// One step:") and "torch::Tensor BlockModel::step(" in step and step.endswith("\n}")
 
 
 def test_a_failed_build_is_reported_by_the_compilers_error_line(monkeypatch):
