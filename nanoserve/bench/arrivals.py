@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import importlib.metadata
 import json
 import math
 import socket
@@ -302,6 +303,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                  burstiness=args.burstiness,
                  scheduler=json.dumps(dict(max_num_seqs=config.max_num_seqs,
                                            max_num_batched_tokens=config.max_num_batched_tokens)))
+    if any(s.startswith("transformers") for s in args.systems):  # the peer's speed is its release's
+        extra["transformers"] = importlib.metadata.version("transformers")
     header = csv_header(command_line(argv), **extra)  # the machine line: its load when the run started
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for system in args.systems:
