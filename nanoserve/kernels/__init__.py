@@ -33,7 +33,7 @@ import os
 import platform
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -75,23 +75,23 @@ def build_flags() -> tuple[str, list[str]]:
     return "nanoserve_kernels", flags
 
 
-def build_dir(name: str, sources: Path | list[Path] = SOURCES) -> Path:
+def build_dir(name: str, sources: Sequence[Path] = SOURCES) -> Path:
     """Where a build lives: one folder per name, Python, torch, and sources (their paths and their text, and the
     header's), so two clones, or two versions of the source, never rebuild over each other's library."""
-    files = [sources] if isinstance(sources, Path) else [*sources, *HEADERS]
     py = f"py{sys.version_info[0]}{sys.version_info[1]}"
-    digest = hashlib.sha256(b"\0".join(str(f.resolve()).encode() + b"\0" + f.read_bytes() for f in files))
+    digest = hashlib.sha256(b"\0".join(str(f.resolve()).encode() + b"\0" + f.read_bytes()
+                                       for f in [*sources, *HEADERS]))
     return nanoserve_home() / "kernels" / f"{name}-{py}-torch{torch.__version__}-{digest.hexdigest()[:12]}"
 
 
-def build(name: str, sources: Path | list[Path], flags: list[str], verbose: bool = False) -> ModuleType:
+def build(name: str, sources: Sequence[Path], flags: list[str], verbose: bool = False) -> ModuleType:
     """Compile `sources` as the extension `name` into its own folder (`build_dir`), or load it from there."""
     from torch.utils import cpp_extension
 
     folder = build_dir(name, sources)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [str(sources)] if isinstance(sources, Path) else [str(f) for f in sources]
-    return cpp_extension.load(name, paths, extra_cflags=flags, build_directory=str(folder), verbose=verbose)
+    return cpp_extension.load(name, [str(f) for f in sources], extra_cflags=flags, build_directory=str(folder),
+                              verbose=verbose)
 
 
 def load(verbose: bool = False) -> ModuleType | None:

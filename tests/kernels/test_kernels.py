@@ -256,11 +256,11 @@ def test_build_dir_is_one_per_source_text_and_path(tmp_path):
     a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
     a.write_text("int f() { return 1; }")
     b.write_text("int f() { return 1; }")
-    before = kernels.build_dir("k", a)
-    assert before != kernels.build_dir("k", b)
+    before = kernels.build_dir("k", [a])
+    assert before != kernels.build_dir("k", [b])
     a.write_text("int f() { return 2; }")
-    assert kernels.build_dir("k", a) != before
-    assert kernels.build_dir("k", a) == kernels.build_dir("k", a)
+    assert kernels.build_dir("k", [a]) != before
+    assert kernels.build_dir("k", [a]) == kernels.build_dir("k", [a])
 
 
 # ---- paged_attention against the reference gather, and split-K -------------------------------------------
