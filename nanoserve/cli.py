@@ -55,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (Day 08)")
+    g.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
+                   help="the folder's fp32 safetensors, or the GGUF's own blocks (Day 25)")
+    g.add_argument("--speculative-tokens", type=int, default=0,
+                   help="prompt-lookup speculative decoding with this many draft tokens (greedy only; 0: off)")
     fetch.add_arguments(sub.add_parser("fetch", help="fetch + convert the model (idempotent)"))
     k = sub.add_parser("kernels", help="build the compiled kernels now and say where they are")
     k.add_argument("-v", "--verbose", action="store_true", help="show the compiler's output")
@@ -104,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from . import load
-    from .engine import NoCacheSession
     from .generate import stream_generate
+    from .loader import load
     from .sampling import SamplingParams
 
     try:
@@ -122,16 +124,16 @@ def generate(args: argparse.Namespace) -> int:
         print("nanoserve: error: --prompt is empty", file=sys.stderr)
         return 2
     try:
-        model, tok = load(args.model)
+        model, tok = load(args.model, weights=args.weights)
     except (CheckpointError, OSError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2
     text = args.prompt
     ids = tok.encode_chat([{"role": "user", "content": text}]) if args.chat else tok.encode(text)
-    session = NoCacheSession(model) if args.no_cache else None  # None: the engine's own road
+    spec = {"num_speculative_tokens": args.speculative_tokens} if args.speculative_tokens else None
     try:
-        for step in stream_generate(model, ids, params, tok, session):
-            sys.stdout.write(step.text)
+        for step in stream_generate(model, ids, params, tok, spec):
+            sys.stdout.write(step.new_text)
             sys.stdout.flush()
     except ValueError as e:
         print(f"\nnanoserve: error: {e}", file=sys.stderr)

@@ -1,19 +1,24 @@
-"""The model's shape, read from a Hugging Face `config.json`.
+"""Every configuration in one place: the model's, the KV cache's, the scheduler's, speculative decoding's.
 
-One dataclass holds every number the forward pass needs. It is parsed from the
-same file `transformers` reads, so a checkpoint folder means the same thing to
-both libraries:
+`ModelConfig` holds every number the forward pass needs, parsed from the same `config.json`
+`transformers` reads, so a checkpoint folder means the same thing to both libraries. The engine's
+knobs sit beside it with vLLM's names and one set of defaults (`EngineConfig`), which `LLM`,
+`LLMEngine`, `serve` and the benchmarks all take:
 
 >>> cfg = ModelConfig.tiny()
 >>> cfg.n_heads // cfg.n_kv_heads   # query heads that share one KV head
 2
+>>> kv_bytes_per_token(cfg, 4)      # 2 (K and V) x layers x kv heads x head_dim x 4 bytes
+512
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +153,157 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes: what one more token of context costs.
+    The one formula every pool size, memory plot and benchmark uses (a block holds block_size tokens)."""
+    if dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
+    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+
+def _positive_int(owner: str, name: str, v: object, minimum: int = 1) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{owner}.{name}={v!r} must be an int >= {minimum}")
+
+
+MAX_BLOCK_SIZE = 256
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV pool: its block size, its size (bytes of RAM, or a block count), prefix caching."""
+
+    block_size: int = 16  # token slots per block
+    kv_cache_bytes: int = 1 << 30  # the pool's size (vLLM sizes it from free GPU memory; here a share of RAM)
+    num_blocks: int | None = None  # if set, the pool's size in blocks (kv_cache_bytes is then ignored)
+    prefix_caching: bool = True  # full blocks are found by their tokens and shared across requests
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"CacheConfig.block_size={self.block_size!r} must be an int in [1, {MAX_BLOCK_SIZE}]")
+        _positive_int("CacheConfig", "kv_cache_bytes", self.kv_cache_bytes)
+        if self.num_blocks is not None:
+            _positive_int("CacheConfig", "num_blocks", self.num_blocks)
+
+    def bytes_per_block(self, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+        return kv_bytes_per_token(cfg, dtype_bytes) * self.block_size
+
+    def blocks_for(self, cfg: ModelConfig, dtype_bytes: int = 4, max_num_seqs: int | None = None) -> int:
+        """The pool's block count: `num_blocks` if set, else what kv_cache_bytes holds, at most enough for
+        max_num_seqs full contexts (more could never be used)."""
+        if self.num_blocks is not None:
+            return self.num_blocks
+        n = max(1, self.kv_cache_bytes // self.bytes_per_block(cfg, dtype_bytes))
+        if max_num_seqs is not None:
+            n = min(n, max_num_seqs * -(-cfg.max_position_embeddings // self.block_size))
+        return n
+
+
+@dataclass
+class SchedulerConfig:
+    """Who runs in a step, and how much of them (vLLM's names)."""
+
+    max_num_seqs: int = 32  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens one step computes: decode tokens and prompt chunks together
+    chunked_prefill: bool = True  # a prompt larger than the budget left is split across steps
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _positive_int("SchedulerConfig", name, getattr(self, name))
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding in vLLM's shape: `method="ngram"` drafts by prompt lookup (the last
+    prompt_lookup_max .. prompt_lookup_min tokens found earlier in the sequence propose what followed them)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 5
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 2
+
+    def __post_init__(self) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"SpeculativeConfig.method={self.method!r}: only 'ngram' (prompt lookup) is built")
+        _positive_int("SpeculativeConfig", "num_speculative_tokens", self.num_speculative_tokens)
+        _positive_int("SpeculativeConfig", "prompt_lookup_min", self.prompt_lookup_min)
+        if isinstance(self.prompt_lookup_max, bool) or not isinstance(self.prompt_lookup_max, int) \
+                or self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"SpeculativeConfig: need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max!r})")
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping | None) -> SpeculativeConfig | None:
+        """vLLM's `speculative_config` dict ({"method": "ngram", "num_speculative_tokens": k, ...}) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict or None, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine is built with, beside the model's own config: the cache, the scheduler,
+    speculative decoding, and how steps run. One set of defaults for every road."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig | None = None
+    batch_invariant: bool = True  # a sequence's bits do not depend on what shares its steps
+    kernels: bool | None = None  # the compiled kernels: None where they run, True insists, False never
+    history_kept: int = 4096  # step records kept (a long-running server must not grow without bound)
+    finished_kept: int = 1024  # finished requests kept for reading after their last output
+
+    # the flat keywords `LLM(...)`, `LLMEngine(...)` and `serve` take (vLLM's names), and where each lives
+    KEYWORDS = {"block_size": "cache", "kv_cache_bytes": "cache", "num_blocks": "cache",
+                "enable_prefix_caching": ("cache", "prefix_caching"), "max_num_seqs": "scheduler",
+                "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
+                "speculative_config": "speculative", "batch_invariant": "", "kernels": ""}
+
+    def __post_init__(self) -> None:
+        self.speculative = SpeculativeConfig.of(self.speculative)
+        for name in ("history_kept", "finished_kept"):
+            _positive_int("EngineConfig", name, getattr(self, name))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        """An EngineConfig from vLLM's flat keywords: `EngineConfig.from_kwargs(max_num_seqs=8, block_size=32)`."""
+        cache, sched, top = {}, {}, {}
+        for key, value in kwargs.items():
+            where = cls.KEYWORDS.get(key)
+            if where is None:
+                raise TypeError(f"unknown engine option {key!r}; known: {sorted(cls.KEYWORDS)}")
+            section, name = where if isinstance(where, tuple) else (where, key)
+            {"cache": cache, "scheduler": sched}.get(section, top)[name if section else key] = value
+        if "speculative_config" in top:
+            top["speculative"] = top.pop("speculative_config")
+        return cls(cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **top)
+
+    @staticmethod
+    def add_cli_arguments(ap: argparse.ArgumentParser) -> None:
+        """The engine's options on a command line, with the defaults above (`serve` and the benchmarks)."""
+        c, s = CacheConfig(), SchedulerConfig()
+        ap.add_argument("--max-num-seqs", type=int, default=s.max_num_seqs, help="sequences running at once")
+        ap.add_argument("--max-num-batched-tokens", type=int, default=s.max_num_batched_tokens,
+                        help="tokens one step computes (prompt chunks and decode tokens together)")
+        ap.add_argument("--block-size", type=int, default=c.block_size, help="token slots per KV block")
+        ap.add_argument("--kv-cache-gib", type=float, default=c.kv_cache_bytes / (1 << 30), help="the KV pool's size")
+        ap.add_argument("--no-prefix-caching", action="store_true", help="never share full blocks across requests")
+        ap.add_argument("--speculative-tokens", type=int, default=0,
+                        help="prompt-lookup speculative decoding with this many draft tokens (0: off)")
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        spec = {"method": "ngram", "num_speculative_tokens": args.speculative_tokens} \
+            if getattr(args, "speculative_tokens", 0) else None
+        return cls.from_kwargs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                               block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)

@@ -1,119 +1,77 @@
-"""Generation: the loop that turns a prompt into a completion (Days 08, 10 and 19).
+"""Generation for one prompt: `generate` and `stream_generate` (the README's first road, and the CLI's).
 
-The loop is the same on every engine path. What differs is how the next logits are
-produced, so that sits behind a `Session` (`engine.session`): prefill the prompt, then
-decode one token at a time. With no session given, `generate` runs the engine's own
-road, a paged cache sized for the request (`PagedSession`); `NoCacheSession` is Day 08's
-road, named when wanted.
+A single request is one request in the engine (`LLMEngine`), which is sized for it: a pool that
+holds its prompt and every token it may generate, a step budget that takes its whole prompt at
+once. It runs the steps every other road runs (the compiled kernels, the one-call step on GGUF
+blocks), so one request is as fast here as it is alone in a server.
+
+>>> generate(model, tok.encode("The capital of France is"), SamplingParams(temperature=0, max_tokens=3),
+...          tok).text                                     # doctest: +SKIP
+' Paris.'
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 
-from .engine.checks import check_prompt
-from .engine.session import PagedSession, Session, paged_session
-from .kv.paged import PagedKVCache
+from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from .engine import LLMEngine
+from .engine.outputs import CompletionOutput, StepOutput
 from .model import Llama
-from .sampling import Sampler, SamplingParams
-from .stopping import StopChecker
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .sampling import SamplingParams
+from .tokenizer import Tokenizer
 
-__all__ = ["Completion", "StepOutput", "StopChecker", "generate", "generate_n", "greedy_ids", "stream_generate"]
-
-
-@dataclass
-class StepOutput:
-    """One generated token and the text it completes (may be '' mid-character)."""
-
-    token_id: int
-    text: str
-    finish_reason: str | None = None  # "stop" (EOS or stop string) or "length"
+__all__ = ["generate", "greedy_ids", "one_request_engine", "stream_generate"]
 
 
-@dataclass
-class Completion:
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
+def one_request_engine(model: Llama, tokenizer: Tokenizer | None, prompt_len: int, params: SamplingParams,
+                       speculative_config: SpeculativeConfig | dict | None = None) -> LLMEngine:
+    """An engine sized for one request of `prompt_len` tokens: blocks for its n samples' whole contexts, a
+    budget that computes its prompt in one step (with room for speculative drafts)."""
+    spec = SpeculativeConfig.of(speculative_config)
+    block_size = CacheConfig().block_size
+    context = min(prompt_len + params.max_tokens, model.cfg.max_position_embeddings)
+    blocks = params.n * -(-context // block_size) + params.n  # each sample's context, and a copied tail block
+    budget = max(SchedulerConfig().max_num_batched_tokens,
+                 prompt_len + params.n * (1 + (spec.num_speculative_tokens if spec else 0)))
+    config = EngineConfig(CacheConfig(block_size, num_blocks=blocks),
+                          SchedulerConfig(max_num_seqs=max(params.n, 1), max_num_batched_tokens=budget),
+                          speculative=spec)
+    return LLMEngine(model, tokenizer, config)
 
 
-def stream_generate(
-    model: Llama, prompt_ids: list[int], params: SamplingParams | None = None,
-    tokenizer: Tokenizer | None = None, session: Session | None = None,
-) -> Iterator[StepOutput]:
-    """Yield one StepOutput per generated token; the last one carries a finish_reason."""
+def stream_generate(model: Llama, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+                    tokenizer: Tokenizer | None = None,
+                    speculative_config: SpeculativeConfig | dict | None = None) -> Iterator[StepOutput]:
+    """One prompt's StepOutputs as the engine produces them (one token each, or several when speculative
+    drafts were accepted); the last carries a finish_reason. Stopping early aborts the request."""
     params = params or SamplingParams(temperature=0.0)
-    cfg = model.cfg
-    check_prompt(prompt_ids, cfg.max_position_embeddings, cfg.vocab_size)
-    if params.stop and tokenizer is None:
-        raise ValueError("stop strings need a tokenizer to see the text")
-    stopper = StopChecker(params, cfg.eos_token_id, cfg.max_position_embeddings - len(prompt_ids))
-    session = session or paged_session(model, len(prompt_ids) + stopper.max_new)
-    sampler = Sampler(params)
-    detok = IncrementalDetokenizer(tokenizer) if tokenizer else None
-    seen = list(prompt_ids)
-    logits = session.prefill(list(prompt_ids))
-    n = 0
-    while True:
-        token = sampler(logits, seen)
-        seen.append(token)
-        n += 1
-        out = step_output(token, n, stopper, detok)
-        yield out
-        if out.finish_reason is not None:
-            return
-        logits = session.decode(token)
+    engine = one_request_engine(model, tokenizer, len(prompt_ids), params, speculative_config)
+    rid = engine.add_request(prompt_ids, params)
+    try:
+        while engine.has_unfinished_requests():
+            yield from engine.step()
+    finally:
+        if engine.has_unfinished_requests():
+            engine.abort(rid)
 
 
-def step_output(token: int, n: int, stopper: StopChecker, detok: IncrementalDetokenizer | None) -> StepOutput:
-    """The n-th generated token as the stream reports it: the text it releases, and whether it ends the request."""
-    piece = detok.push(token) if detok and token not in stopper.stop_ids else ""
-    text, reason = stopper.check(token, n, piece)
-    if reason == "length" and detok:
-        text += detok.flush()
-    return StepOutput(token, text, reason)
-
-
-def generate(
-    model: Llama, prompt_ids: list[int], params: SamplingParams | None = None,
-    tokenizer: Tokenizer | None = None, session: Session | None = None,
-) -> Completion:
-    """Run `stream_generate` to the end and collect the ids and text.
-
-    >>> generate(model, tok.encode("The capital of France is"), SamplingParams(temperature=0, max_tokens=3),
-    ...          tok).text                                     # doctest: +SKIP
-    ' Paris.'
-    """
-    out = Completion(list(prompt_ids))
-    for step in stream_generate(model, prompt_ids, params, tokenizer, session):
-        out.token_ids.append(step.token_id)
-        out.text += step.text
-        out.finish_reason = step.finish_reason
+def generate(model: Llama, prompt_ids: Sequence[int], params: SamplingParams | None = None,
+             tokenizer: Tokenizer | None = None,
+             speculative_config: SpeculativeConfig | dict | None = None) -> CompletionOutput:
+    """Run `stream_generate` to the end: the completion's ids and text (one sample: params.n must be 1)."""
+    params = params or SamplingParams(temperature=0.0)
+    if params.n != 1:
+        raise ValueError(f"SamplingParams.n={params.n}: generate returns one completion; LLM.generate returns n")
+    out = CompletionOutput(0, "", [])
+    for step in stream_generate(model, prompt_ids, params, tokenizer, speculative_config):
+        out.token_ids.extend(step.new_token_ids)
+        out.text += step.new_text
+        out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
     return out
 
 
-def greedy_ids(model: Llama, prompt_ids: list[int], max_tokens: int, session: Session | None = None,
-               ignore_eos: bool = True) -> list[int]:
-    """Greedy token ids only (no text): the form equivalence tests compare across engine paths."""
+def greedy_ids(model: Llama, prompt_ids: Sequence[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
+    """Greedy token ids only (no text), through the engine: the form equivalence tests compare."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    return generate(model, prompt_ids, params, session=session).token_ids
-
-
-def generate_n(model: Llama, prompt_ids: list[int], params: SamplingParams, cache: PagedKVCache,
-               tokenizer: Tokenizer | None = None) -> list[Completion]:
-    """params.n samples of one prompt: the prompt is prefilled once and its blocks are shared by
-    every sample. Sample i uses seed params.seed + i, so it equals a solo run with that seed."""
-    parent = PagedSession(model, cache)
-    parent.prefill(prompt_ids)
-    sessions = [parent] + [parent.fork() for _ in range(params.n - 1)]
-    outs = []
-    for i, session in enumerate(sessions):
-        seed = None if params.seed is None else params.seed + i
-        outs.append(generate(model, prompt_ids, dataclasses.replace(params, n=1, seed=seed), tokenizer, session))
-    for session in sessions:
-        session.free()
-    return outs
+    return generate(model, prompt_ids, params).token_ids

@@ -4,8 +4,13 @@
 the field means it: repetition penalty (CTRL / transformers: positive logits of
 seen tokens divided by the penalty, negative ones multiplied), temperature,
 top-k (keep the k most likely), top-p (keep the smallest set whose mass reaches
-p), min-p (drop tokens below min_p x the top probability). Temperature 0 is the
-greedy path: argmax, no randomness, no generator touched.
+p), min-p (drop tokens below min_p x the top probability). Temperature 0 (or below
+`GREEDY_BELOW`) is the greedy path: argmax, no randomness, no generator touched.
+
+`sample` chooses for every row of a step at once: greedy and sampled rows, each with
+its own parameters and its own seeded generator (`RowSampler`), so a sequence's tokens
+do not depend on the rows beside it. `filtered_probs` is one row's distribution, the
+same arithmetic, for the notebooks' sliders and the statistical test.
 """
 
 from __future__ import annotations
@@ -18,6 +23,11 @@ import torch
 from torch import Tensor
 
 from . import kernels
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy: logits / 1e-300 would be inf, and the step's probabilities NaN."""
+
+SEED_BITS = 64
 
 
 @dataclass
@@ -48,7 +58,8 @@ class SamplingParams:
             ("top_p", lambda: real(p) and 0.0 < p <= 1.0, "must be a number in (0, 1]"),
             ("min_p", lambda: real(m) and 0.0 <= m <= 1.0, "must be a number in [0, 1]"),
             ("repetition_penalty", lambda: real(r) and r > 0, "must be a number > 0 (1 means off)"),
-            ("seed", lambda: self.seed is None or whole(self.seed), "must be an int or None"),
+            ("seed", lambda: self.seed is None or (whole(self.seed) and -(1 << 63) <= self.seed < (1 << SEED_BITS)),
+             "must be an int that fits in 64 bits, or None"),
             ("max_tokens", lambda: whole(self.max_tokens) and self.max_tokens >= 1, "must be an int >= 1"),
             ("n", lambda: whole(self.n) and self.n >= 1, "must be an int >= 1"),
             ("stop", lambda: all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
@@ -61,13 +72,19 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax: temperature 0, or so small that dividing by it would overflow every logit (as vLLM)."""
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the logits as they come: nothing reshapes them first."""
+        return self.greedy and self.repetition_penalty == 1.0
 
 
 ARGMAX_CHUNK = 1024
 
 
-def argmax_rows(logits: Tensor) -> Tensor:
+def argmax_rows(logits: Tensor, compiled: bool | None = None) -> Tensor:
     """logits (B, V) -> (B,) each row's argmax, the first index of its largest value, as argmax gives.
 
     torch's argmax keeps an index beside every comparison and is slow for it; its max alone (amax)
@@ -77,7 +94,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
     counts as largest, propagates through amax the same way).
     """
     B, V = logits.shape
-    if kernels.enabled() and kernels.fits(logits) and V > 0:  # the same answer, in one pass of comparisons
+    if kernels.resolve(compiled) and kernels.fits(logits) and V > 0:  # the same answer, in one pass of comparisons
         return kernels.argmax_rows(logits)
     if V % ARGMAX_CHUNK or V < 4 * ARGMAX_CHUNK:
         return logits.argmax(-1)
@@ -88,57 +105,111 @@ def argmax_rows(logits: Tensor) -> Tensor:
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Sequence[int], penalty: float) -> Tensor:
-    """logits (V,): positive logits of seen ids are divided by `penalty`, negative ones multiplied."""
+    """logits (V,): positive logits of seen ids are divided by `penalty`, negative ones multiplied (a copy)."""
     if penalty == 1.0 or len(seen) == 0:
         return logits
-    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=logits.device)
-    vals = logits[idx]
-    logits = logits.clone()
-    logits[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
-    return logits
+    return _penalize(logits.clone(), seen, penalty)
+
+
+def _penalize(row: Tensor, seen: Sequence[int], penalty: float) -> Tensor:
+    """`apply_repetition_penalty` in place on row (V,)."""
+    idx = torch.tensor(sorted(set(seen)), dtype=torch.long, device=row.device)
+    vals = row[idx]
+    row[idx] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return row
+
+
+def _shape(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
+    """Sampled rows' logits x (R, V), penalties already applied, -> their unnormalised probabilities (R, V):
+    temperature, top-k, softmax, top-p, min-p, each row with its own parameters."""
+    R, V = x.shape
+    x = x / torch.tensor([p.temperature for p in params], dtype=x.dtype)[:, None]
+    ks = [p.top_k if 0 < p.top_k < V else V for p in params]
+    if min(ks) < V:  # each row's k-th largest logit, from one topk of the largest k asked for
+        kth = torch.topk(x, max(ks), dim=-1).values.gather(1, torch.tensor(ks)[:, None] - 1)  # (R, 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if top_p:
+        rows = probs[top_p]
+        sorted_p, order = rows.sort(dim=-1, descending=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
+        limit = torch.tensor([params[i].top_p for i in top_p], dtype=x.dtype)[:, None]
+        probs[top_p] = rows.scatter(1, order, sorted_p.masked_fill(mass_before >= limit, 0.0))
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype)[:, None]
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
+    return probs
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams, seen: Sequence[int] = ()) -> Tensor:
-    """The distribution a sampled token is drawn from: logits (V,) -> probabilities (V,).
-
-    With temperature 0 it is one-hot on the argmax. Pure: the Day 09 sliders and the
-    statistical test both call it.
-    """
-    logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
+    """The distribution one sampled token is drawn from: logits (V,) -> probabilities (V,), by the very
+    arithmetic `sample` runs. With a greedy temperature it is one-hot on the (penalised) argmax."""
+    x = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        mass_before = sorted_p.cumsum(0) - sorted_p  # mass of strictly more likely tokens
-        drop = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
-        probs = probs.scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+        return torch.nn.functional.one_hot(x.argmax(), x.shape[-1]).float()
+    probs = _shape(x[None], [params])[0]
     return probs / probs.sum()
 
 
-class Sampler:
-    """Per-request sampling state: its own seeded generator, so a request's tokens do not
+class RowSampler:
+    """One sequence's sampling state: its parameters and its own seeded generator, so its tokens do not
     depend on what else runs (run to run, or in a batch)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
-        self.generator = torch.Generator()
-        if params.seed is not None:
-            self.generator.manual_seed(params.seed)
-        else:
-            self.generator.seed()
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            if params.seed is not None:
+                self.generator.manual_seed(params.seed % (1 << SEED_BITS))
+            else:
+                self.generator.seed()
 
-    def __call__(self, logits: Tensor, seen: Sequence[int] = ()) -> int:
-        """logits (V,) -> the next token id."""
-        if self.params.greedy and self.params.repetition_penalty == 1.0:
-            return int(logits.argmax())
-        probs = filtered_probs(logits, self.params, seen)
-        if self.params.greedy:
-            return int(probs.argmax())
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+    def uniform(self) -> float:
+        """The next number in [0, 1) of this sequence's own stream."""
+        assert self.generator is not None
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64))
+
+
+INVALID = -1
+"""`sample`'s token for a row whose distribution is not a distribution (NaN or no mass): its request fails."""
+
+
+def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[int]] | None = None,
+           compiled: bool | None = None) -> list[int]:
+    """Choose the next token of every row of `logits` (R, V) in one call: plain greedy rows by argmax
+    together, the others (penalties, temperature, top-k/p, min-p) as one (r, V) batch, each sampled row
+    drawn from its own generator by the inverse of its distribution's CDF. `seen[i]`: row i's tokens so far
+    (the repetition penalty reads them). A row that cannot be sampled gets `INVALID`, the others go on."""
+    R = logits.shape[0]
+    if len(rows) != R:
+        raise ValueError(f"{len(rows)} samplers for {R} rows of logits")
+    plain = [i for i, r in enumerate(rows) if r.params.plain_greedy]
+    if len(plain) == R:
+        return argmax_rows(logits, compiled).tolist()
+    out = [INVALID] * R
+    if plain:
+        for i, t in zip(plain, argmax_rows(logits[plain], compiled).tolist()):
+            out[i] = t
+    rest = [i for i in range(R) if not rows[i].params.plain_greedy]
+    x = logits[rest].float()  # (r, V), a copy: penalties write into it
+    for j, i in enumerate(rest):
+        penalty = rows[i].params.repetition_penalty
+        if penalty != 1.0 and seen is not None and len(seen[i]):
+            _penalize(x[j], seen[i], penalty)
+    greedy = [j for j, i in enumerate(rest) if rows[i].params.greedy]
+    if greedy:
+        for j, t in zip(greedy, argmax_rows(x[greedy], compiled).tolist()):
+            out[rest[j]] = t
+    drawn = [j for j, i in enumerate(rest) if not rows[i].params.greedy]
+    if drawn:
+        probs = _shape(x[drawn], [rows[rest[j]].params for j in drawn])  # (d, V)
+        cdf = probs.double().cumsum(-1)  # (d, V): float64, so the last tokens' mass is not lost to rounding
+        total = cdf[:, -1]
+        ok = torch.isfinite(total) & (total > 0)
+        u = torch.tensor([rows[rest[j]].uniform() for j in drawn], dtype=torch.float64)
+        picks = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+        for j, t, good in zip(drawn, picks.tolist(), ok.tolist()):
+            out[rest[j]] = t if good else INVALID
+    return out

@@ -12,8 +12,9 @@ prefill or decode phase, only tokens computed and tokens to compute (vLLM V1's v
     slot_mapping    (n,)    the pool slot each real token's k/v is written to
     positions       (N,)    each token's position in its own sequence (RoPE reads it)
 
-A query at position p attends over its request's keys 0..p. N is n rounded up by
-`model.matmul.forward_rows` (zero rows added at the end); those rows belong to no request.
+A query at position p attends over its request's keys 0..p. N may be more than the n real tokens
+(`num_rows`: the model runner pads a step to the row count its products want); the rows past n are
+zero and belong to no request.
 
 >>> ids, md = prepare([Chunk([5, 6, 7], 0, [0]), Chunk([8], 4, [1, 2])], block_size=4)
 >>> md.query_start_loc.tolist(), md.seq_lens.tolist(), md.positions.tolist(), md.slot_mapping.tolist()
@@ -28,8 +29,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from ..model.matmul import forward_rows
 
 
 @dataclass(frozen=True)
@@ -75,10 +74,10 @@ class AttentionMetadata:
         return self.query_start_loc[1:] - 1
 
 
-def prepare(chunks: Sequence[Chunk], block_size: int, min_rows: int = 1) -> tuple[Tensor, AttentionMetadata]:
+def prepare(chunks: Sequence[Chunk], block_size: int, num_rows: int | None = None) -> tuple[Tensor, AttentionMetadata]:
     """The step's input ids (N,) and metadata, for requests in order. Every engine path builds its
     step here: one sequence's prefill or decode, a static batch, the scheduler's mixed steps.
-    `min_rows=2` keeps a lone token off the one-row road (so it gets the bits it gets in any batch)."""
+    `num_rows`: N, the rows the step runs (default: its real tokens; more adds zero rows at the end)."""
     if not chunks:
         raise ValueError("a step needs at least one request")
     ids: list[int] = []
@@ -102,7 +101,9 @@ def prepare(chunks: Sequence[Chunk], block_size: int, min_rows: int = 1) -> tupl
         starts.append(starts[-1] + n)
         seq_lens.append(end)
     n_real = starts[-1]
-    pad = forward_rows(max(n_real, min_rows)) - n_real
+    if num_rows is not None and num_rows < n_real:
+        raise ValueError(f"num_rows={num_rows} is fewer than the step's {n_real} tokens")
+    pad = (num_rows or n_real) - n_real
     width = max(-(-s // block_size) for s in seq_lens)
     R, N = len(chunks), n_real + pad
     tables = [b for c in chunks for b in list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table)))]

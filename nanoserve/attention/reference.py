@@ -9,29 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from .causal import causal_attention
 from .metadata import AttentionMetadata
-
-
-def prefix_attention(q: Tensor, keys: Tensor, values: Tensor, start: int) -> Tensor:
-    """T new queries over S = start + T keys, causal among the new ones, grouped-query.
-
-    q (B, T, H, D); keys/values (B, K, S, D) -> (B, T, H*D). Three cases, one rule
-    (query t, at position start + t, sees keys [0, start + t]):
-    a prompt on an empty cache is plain causal attention; one decode query sees every
-    key, so it needs no mask at all; a chunk on top of a prefix gets an explicit mask.
-    """
-    B, T, H, D = q.shape
-    S = keys.shape[2]
-    mask = None
-    if T > 1 and start > 0:
-        mask = torch.arange(S, device=q.device)[None, :] <= start + torch.arange(T, device=q.device)[:, None]  # (T, S)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys, values, attn_mask=mask, is_causal=T > 1 and start == 0, enable_gqa=True
-    )  # (B, H, T, D)
-    return out.transpose(1, 2).reshape(B, T, H * D)
 
 
 def gather_blocks(k_pool: Tensor, v_pool: Tensor, blocks: Tensor | Sequence[int],
@@ -55,6 +36,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: 
     for r, seq_len in enumerate(md.seq_lens_host):
         s, e = qsl[r], qsl[r + 1]
         kc, vc = gather_blocks(k_pool, v_pool, md.block_tables[r], seq_len)  # (seq_len, K, D)
-        out[s:e] = prefix_attention(q[None, s:e], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                                    seq_len - (e - s))[0]
+        out[s:e] = causal_attention(q[None, s:e], kc[None], vc[None])[0]
     return out

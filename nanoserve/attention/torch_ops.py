@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .causal import causal_attention
 from .metadata import AttentionMetadata
-from .reference import gather_blocks, prefix_attention
+from .reference import gather_blocks
 
 KEY_MULTIPLE = 16
 """Keys per decode row are rounded up to this: the fp32 lanes of an AVX-512 register, a multiple of AVX2's."""
@@ -77,12 +78,9 @@ def decode_layout(block_tables: Tensor, seq_lens: Tensor, block_size: int, n_kv_
 
 
 def prompt_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """A whole prompt's causal attention over its own new k/v, by torch's fused kernel (flash attention
-    on the CPU, which takes 4-D inputs only). q (T, H, D), k/v (T, K, D) -> (T, H*D)."""
-    T, H, D = q.shape
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                         is_causal=True, enable_gqa=True)  # (1, H, T, D)
-    return out[0].transpose(0, 1).reshape(T, H * D)
+    """A whole prompt's causal attention over its own new k/v (`causal_attention` on one sequence).
+    q (T, H, D), k/v (T, K, D) -> (T, H*D)."""
+    return causal_attention(q[None], k[None], v[None], 0)[0]
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetadata,
@@ -112,6 +110,5 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: 
             out[s:e] = prompt_attention(q[s:e], k[s:e], v[s:e])
         else:  # a chunk after cached context: the reference read
             kc, vc = gather_blocks(k_pool, v_pool, md.block_tables[r], seq_len)
-            out[s:e] = prefix_attention(q[None, s:e], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None],
-                                        seq_len - (e - s))[0]
+            out[s:e] = causal_attention(q[None, s:e], kc[None], vc[None])[0]
     return out

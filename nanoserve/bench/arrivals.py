@@ -33,7 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine import LLMEngine, SchedulerConfig
+from ..config import EngineConfig, SchedulerConfig
+from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
 from .engine import Workload, ragged_workload, start_hf_manager
@@ -291,7 +292,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Each system over every rate, one after another in this process; two CSVs and a table."""
     use_threads(args)
-    from .. import load
+    from ..loader import load
 
     slo = SLO(args.slo_ttft, args.slo_tpot)
     config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -356,7 +357,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
 
 def _warm_engine(model: Llama, tok, config: SchedulerConfig, w: Workload) -> LLMEngine:
-    engine = LLMEngine(model, tok, config=config)
+    engine = LLMEngine(model, tok, EngineConfig(scheduler=config))
     replay_engine(engine, Workload("warm", w.prompts[:2], [2, 2]), [0.0, 0.0])
     return engine
 

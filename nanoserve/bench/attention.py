@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .. import kernels
 from ..attention import reference, torch_ops
+from ..attention.causal import causal_attention
 from ..attention.metadata import Chunk, prepare
 from .machine import add_common_arguments, command_line, csv_header, use_threads
 from .roofline import measure_bandwidth
@@ -121,7 +122,7 @@ def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_di
     return {
         "gather": lambda: reference.attend(q, kv_new, kv_new, k_pool, v_pool, md, {}),
         "torch": lambda: torch_ops.attend(q, kv_new, kv_new, k_pool, v_pool, md, torch_scratch),
-        "sdpa": lambda: reference.prefix_attention(q[:, None], k_cont, v_cont, context - 1)[:, 0],
+        "sdpa": lambda: causal_attention(q[:, None], k_cont.transpose(1, 2), v_cont.transpose(1, 2))[:, 0],
         "kernel": lambda: paged(0),
         "split-k": lambda: paged(kernels.SPLIT_KEYS),
     }
@@ -240,7 +241,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """`python -m nanoserve bench attention`: the sweep on the loaded model's shapes, a table, and the CSV."""
     use_threads(args)
-    from .. import load
+    from ..loader import load
 
     if kernels.load() is None:
         print(f"nanoserve bench attention: error: the compiled kernels are unavailable: {kernels.unavailable_reason()}")

@@ -188,7 +188,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Both Day-29 measurements on the real model, transformers beside them, the roofline beside both."""
     use_threads(args)
-    from .. import load
+    from ..loader import load
     from ..model.fetch import ensure_model
     from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline
 

@@ -22,7 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engine import LLMEngine, SchedulerConfig
+from ..config import CacheConfig, EngineConfig, SchedulerConfig
+from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
@@ -100,7 +101,7 @@ def run_scenario(model: Llama, config: SchedulerConfig, shorts: Sequence[Sequenc
         raise ValueError(f"warm={warm} must be between 1 and short_tokens-1={short_tokens - 1}")
     need = [len(p) + short_tokens for p in shorts] + [len(long) + long_tokens]
     blocks = sum(-(-n // BLOCK_SIZE) for n in need)  # everyone fits: no preemption muddles the timing
-    engine = LLMEngine(model, config=config, num_blocks=blocks, block_size=BLOCK_SIZE, clock=clock)
+    engine = LLMEngine(model, config=EngineConfig(CacheConfig(BLOCK_SIZE, num_blocks=blocks), config), clock=clock)
     params = SamplingParams(temperature=0, max_tokens=short_tokens, ignore_eos=True)
     ids = [engine.add_request(list(p), params) for p in shorts]
     run = Run(label_of(config), config.max_num_batched_tokens, config.chunked_prefill, round_)
@@ -218,7 +219,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     use_threads(args)
-    from .. import load
+    from ..loader import load
 
     model, tok = load()
     shorts = short_prompts(tok, args.decoders, args.short_prompt_tokens)

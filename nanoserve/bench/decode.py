@@ -180,9 +180,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     use_threads(args)
-    from .. import load
     from ..config import nanoserve_home
     from ..kernels import quant
+    from ..loader import load
     from ..model.fetch import default_model_dir, download_gguf
 
     fp32, tok = load()

@@ -34,9 +34,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine import LLMEngine, SchedulerConfig, greedy_generate_batch
+from ..config import EngineConfig, SchedulerConfig
+from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
+from ..stages import greedy_generate_batch
 from ..tokenizer import Tokenizer
 from .batch import PASSAGE
 from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
@@ -102,7 +104,7 @@ class Run:
 
 
 def run_engine(model: Llama, w: Workload, config: SchedulerConfig) -> tuple[Run, LLMEngine]:
-    engine = LLMEngine(model, config=config)
+    engine = LLMEngine(model, config=EngineConfig(scheduler=config))
     t0 = time.perf_counter()
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
            for p, n in zip(w.prompts, w.max_tokens)]
@@ -293,7 +295,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Every system on the workloads, one after another in this process; the CSV and a table of ratios."""
     use_threads(args)
-    from .. import load
+    from ..loader import load
     from ..model.fetch import ensure_model
     from .harness import load_hf_model
     from .roofline import measure_roofline

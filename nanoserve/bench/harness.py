@@ -25,9 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..engine import LLMEngine, SchedulerConfig, StaticBatch
+from ..config import EngineConfig, SchedulerConfig
+from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
+from ..stages import StaticBatch
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, time_static_batch
 from .timing import DEFAULT_CLOCK, Clock
 
@@ -94,7 +96,7 @@ def time_engine_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps
     """The rows of `time_model_batch`, all arriving at once, through the scheduled engine: its first step
     is every prompt (the prefill), then each step decodes the rows still running. Row i generates
     stop_steps[i] + 1 tokens, as in the static batch, and is handed back the step it is done."""
-    engine = LLMEngine(model, config=config, kernels=kernels, clock=clock)
+    engine = LLMEngine(model, config=EngineConfig(scheduler=config or SchedulerConfig(), kernels=kernels), clock=clock)
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
            for p, n in zip(prompts, stop_steps)]
     t0 = clock()

@@ -42,10 +42,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..attention.reference import gather_blocks, prefix_attention
-from ..engine import PagedSession
-from ..kv import BlockPool, CachedSession, PagedKVCache
+from ..attention.causal import causal_attention
+from ..attention.reference import gather_blocks
+from ..kv import BlockPool
 from ..model import Llama
+from ..stages import CachedSession, PagedSession, paged_session
 from .machine import add_common_arguments, command_line, csv_header, use_threads
 from .timing import DEFAULT_CLOCK, Clock, Summary, summarize, time_callable
 
@@ -105,17 +106,18 @@ def paged_like(model: Llama, contiguous: CachedSession, block_size: int, room: i
     """A paged session holding the same K/V as `contiguous`, written through the write path into
     blocks drawn from a shuffled free list."""
     n = contiguous.cache.length
-    cache = PagedKVCache.for_tokens(model.cfg, n + room, block_size, dtype=model.dtype)
-    free = list(cache.pool.free_list)
+    session = paged_session(model, n + room, block_size, attention="reference")  # the gather is what is measured
+    pool = session.manager.pool
+    free = list(pool.free_list)
     random.Random(seed).shuffle(free)
-    cache.pool.free_list.clear()
-    cache.pool.free_list.extend(free)
-    session = PagedSession(model, cache, attention="reference")  # the gather is what is measured
-    slots = cache.append(session.table, [0] * n)
+    pool.free_list.clear()
+    pool.free_list.extend(free)
+    slots, _ = session.manager.append_slots(session.table, [0] * n)
+    slots = torch.tensor(slots)
     for layer in range(model.cfg.n_layers):
         kc, vc = contiguous.cache.k[layer, 0, :, :n], contiguous.cache.v[layer, 0, :, :n]  # (K, n, D)
-        cache.write(layer, slots, kc.transpose(0, 1), vc.transpose(0, 1))  # (n, K, D) into the slots
-    cache.commit(session.table)
+        session.runner.storage.write(layer, slots, kc.transpose(0, 1), vc.transpose(0, 1))  # (n, K, D) into the slots
+    session.manager.commit(session.table)
     return session
 
 
@@ -140,10 +142,10 @@ def measure_context(model: Llama, context: int, block_sizes: Sequence[int], step
     D, H = model.cfg.head_dim, model.cfg.n_heads
     q = torch.randn(1, 1, H, D, generator=torch.Generator().manual_seed(1))  # (1, 1, H, D)
     kc, vc = contiguous.cache.k[0, :, :, :context], contiguous.cache.v[0, :, :, :context]  # (1, K, n, D)
-    reads = [lambda: prefix_attention(q, kc, vc, context - 1)]
+    reads = [lambda: causal_attention(q, kc.transpose(1, 2), vc.transpose(1, 2))]
     def paged_read(s: PagedSession) -> Tensor:
-        kc, vc = gather_blocks(s.cache.k[0], s.cache.v[0], s.table.blocks, context)  # (context, K, D)
-        return prefix_attention(q, kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], context - 1)
+        kc, vc = gather_blocks(s.runner.storage.k[0], s.runner.storage.v[0], s.table.blocks, context)  # (context, K, D)
+        return causal_attention(q, kc[None], vc[None])
 
     reads += [lambda s=s: paged_read(s) for s in paged]
     assert all(torch.allclose(r(), reads[0]().view_as(r()), atol=1e-5) for r in reads[1:])
@@ -267,7 +269,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     clock = time.thread_time if args.clock == "cpu" else DEFAULT_CLOCK
-    from .. import load
+    from ..loader import load
 
     model, _ = load()
     rows = run_sweep(model, args.contexts, args.block_sizes, args.step_repeats, args.read_repeats, clock=clock)

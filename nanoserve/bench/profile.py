@@ -50,8 +50,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
-from ..model import KVBackend, Llama, no_cache_backend
+from ..model import Llama
 
 GROUPS = ("embedding", "norms", "qkv", "rope", "attention", "o_proj", "mlp", "lm_head", "other")
 Clock = Callable[[], float]

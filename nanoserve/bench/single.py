@@ -32,12 +32,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..engine import NoCacheSession, Session, paged_session
 from ..generate import stream_generate
-from ..kv import CachedSession
 from ..model import Llama, linear
 from ..model.matmul import ONEDNN, bag_linear, bmm_linear, onednn_linear, pack
 from ..sampling import SamplingParams
+from ..stages import CachedSession, NoCacheSession, Session, stream_session
 from .machine import command_line, csv_header, use_threads
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_callable
@@ -45,23 +44,27 @@ from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, time_calla
 # ---- one request, timed by the stdlib core ---------------------------------------------------------
 
 
-def timed_greedy(model: Llama, prompt_ids: list[int], new_tokens: int, session: Session,
+def timed_greedy(model: Llama, prompt_ids: list[int], new_tokens: int, session: Session | None = None,
                  clock: Clock = DEFAULT_CLOCK) -> tuple[list[int], RequestTiming]:
-    """Greedy ids of exactly `new_tokens` and their timing: one StreamTimer.token() per token."""
+    """Greedy ids of exactly `new_tokens` and their timing: one StreamTimer.token() per token. With no
+    session, the engine's road (`stream_generate`); with one, a course stage's loop over it."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     timer = StreamTimer(clock)
     timer.start()
     ids = []
-    for step in stream_generate(model, prompt_ids, params, session=session):
-        timer.token()
-        ids.append(step.token_id)
+    steps = stream_generate(model, prompt_ids, params) if session is None else \
+        stream_session(model, session, prompt_ids, params)
+    for step in steps:
+        for t in step.new_token_ids:
+            timer.token()
+            ids.append(t)
     return ids, timer.finish()
 
 
-def session_for(model: Llama, engine: str, max_len: int) -> Session:
-    """The Session each nanoserve engine of the benchmark runs."""
-    if engine == "nanoserve":  # what `generate` runs when given no session: the paged road
-        return paged_session(model, max_len)
+def session_for(model: Llama, engine: str, max_len: int) -> Session | None:
+    """The Session each nanoserve road of the benchmark runs (None: the engine, as `generate` runs it)."""
+    if engine == "nanoserve":
+        return None
     if engine == "nanoserve-contiguous":  # Day 13's contiguous cache
         return CachedSession(model, max_len)
     if engine == "nanoserve-nocache":  # Day 08: recompute everything every step

@@ -1,8 +1,8 @@
 """`python -m nanoserve bench spec`: prompt-lookup speculative decoding against plain decoding (Day 40).
 
 Two tasks, batch 1, greedy: `copy`, where the answer copies a given paragraph with small edits (the work
-prompt lookup is made for), and `chat`, ordinary questions whose answers copy little. Each prompt runs plain
-(`stream_generate`) and speculative (`stream_speculative`, one run per `--k`), the methods interleaved round
+prompt lookup is made for), and `chat`, ordinary questions whose answers copy little. Each prompt runs
+through the engine plain and speculative (one run per `--k`), the methods interleaved round
 by round so a shared machine's slow minute falls on all of them. Decode tok/s = (tokens - 1) / (time from
 the first token to the last): the prefill is the same for both and is left out.
 
@@ -21,11 +21,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from ..attention import Chunk
-from ..engine.session import paged_session
-from ..generate import stream_generate
+from ..config import SpeculativeConfig
+from ..generate import one_request_engine
 from ..model import Llama
 from ..sampling import SamplingParams
-from ..spec import SpecConfig, SpecStats, stream_speculative
+from ..stages import paged_session
 from ..tokenizer import Tokenizer
 from .batch import PASSAGE
 from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
@@ -89,23 +89,22 @@ def prompt_ids(tok: Tokenizer) -> dict[str, list[list[int]]]:
     return {task: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs] for task, msgs in TASKS.items()}
 
 
-def run_once(model: Llama, ids: list[int], max_tokens: int, k: int, config: SpecConfig,
+def run_once(model: Llama, ids: list[int], max_tokens: int, k: int, config: SpeculativeConfig,
              clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], int, int, int, float]:
-    """One greedy generation, plain (k=0) or speculative with k drafts: (tokens, forwards, proposed, accepted,
-    decode seconds)."""
+    """One greedy generation through the engine, plain (k=0) or speculative with k drafts: (tokens, forwards
+    after the prefill, proposed, accepted, decode seconds)."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    stats = SpecStats()
-    if k == 0:
-        stream = stream_generate(model, ids, params)
-    else:
-        config = SpecConfig(k, config.prompt_lookup_max, config.prompt_lookup_min)
-        stream = stream_speculative(model, ids, params, config=config, stats=stats)
+    spec = SpeculativeConfig("ngram", k, config.prompt_lookup_max, config.prompt_lookup_min) if k else None
+    engine = one_request_engine(model, None, len(ids), params, spec)
+    engine.add_request(ids, params)
     tokens, times = [], []
-    for out in stream:
-        tokens.append(out.token_id)
-        times.append(clock())
-    forwards = stats.forwards if k else len(tokens) - 1
-    return tokens, forwards, stats.proposed, stats.accepted, times[-1] - times[0]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            times.append(clock())
+    steps = list(engine.history)[1:]  # the forwards after the prefill
+    return (tokens, len(steps), sum(s.num_draft_tokens for s in steps), sum(s.num_accepted_tokens for s in steps),
+            times[-1] - times[0])
 
 
 def time_steps(model: Llama, context: int, rows: Iterable[int], reps: int,
@@ -118,12 +117,12 @@ def time_steps(model: Llama, context: int, rows: Iterable[int], reps: int,
     for rep in range(reps + 1):  # the rows interleaved, so a slow moment falls on all; rep 0 warms up
         for m in rows:
             new = [42] * m
-            session.cache.append(session.table, new)
+            session.manager.append_slots(session.table, new)
             t0 = clock()
-            session.runner.execute([Chunk(new, context, session.table.blocks)], all_rows=True)
+            session.runner.execute([Chunk(new, context, session.table.blocks)], num_logits=[m])
             if rep:
                 times[m].append(clock() - t0)
-            session.cache.truncate(session.table, context)
+            session.manager.truncate(session.table, context)
     out = {m: statistics.median(ts) for m, ts in times.items()}
     session.free()
     return out
@@ -231,8 +230,8 @@ def print_table(summaries: Sequence[Summary], costs: dict[int, float]) -> None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5, 8], help="num_speculative_tokens values to run")
-    ap.add_argument("--lookup-max", type=int, default=SpecConfig.prompt_lookup_max)
-    ap.add_argument("--lookup-min", type=int, default=SpecConfig.prompt_lookup_min)
+    ap.add_argument("--lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max)
+    ap.add_argument("--lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed forwards")
@@ -242,11 +241,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     use_threads(args)
-    from .. import load
+    from ..loader import load
 
     model, tok = load()
     prompts = prompt_ids(tok)
-    config = SpecConfig(max(args.k), args.lookup_max, args.lookup_min)
+    config = SpeculativeConfig("ngram", max(args.k), args.lookup_max, args.lookup_min)
     run_once(model, prompts["chat"][0], 8, 0, config)  # warm up both roads
     run_once(model, prompts["copy"][0], 8, max(args.k), config)
     runs: list[RunRecord] = []

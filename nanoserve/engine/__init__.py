@@ -1,17 +1,18 @@
-"""The engine: the model runner that executes a step (`model_runner`), sessions that run one
-sequence (`session`), the static batch (`static_batch`), the input checks they share (`checks`),
-and the scheduled engine: requests (`request`), the scheduler (`scheduler`), `LLMEngine`."""
+"""The engine: requests (`request`), the scheduler that plans each step and does its bookkeeping
+(`scheduler`), the model runner that executes it (`model_runner`), prompt-lookup drafting for
+speculative decoding (`spec`), the input checks every road shares (`checks`), what a step hands back
+(`outputs`), and `LLMEngine`, the one loop every road of the package runs through."""
 
+from ..config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from .checks import check_prompt, check_prompts
-from .llm_engine import LLMEngine, RequestOutput, StepRecord
+from .llm_engine import LLMEngine, StepRecord
 from .model_runner import ModelRunner
+from .outputs import CompletionOutput, RequestOutput, StepOutput
 from .request import FinishReason, Request, RequestStatus
-from .scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from .session import NoCacheSession, PagedSession, Session, paged_session
-from .static_batch import BatchedPagedKVCache, StaticBatch, greedy_generate_batch
+from .scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 
 __all__ = [
-    "BatchedPagedKVCache", "FinishReason", "LLMEngine", "ModelRunner", "NoCacheSession", "PagedSession", "Request",
-    "RequestOutput", "RequestStatus", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Session",
-    "StaticBatch", "StepRecord", "check_prompt", "check_prompts", "greedy_generate_batch", "paged_session",
+    "CompletionOutput", "EngineConfig", "FinishReason", "LLMEngine", "ModelRunner", "Request", "RequestOutput",
+    "RequestStatus", "ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SpeculativeConfig",
+    "StepOutput", "StepRecord", "check_prompt", "check_prompts",
 ]

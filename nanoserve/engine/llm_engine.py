@@ -1,52 +1,47 @@
-"""The engine: requests in, tokens out, one scheduled step at a time (Days 30-35).
+"""The engine: requests in, tokens out, one scheduled step at a time (Days 30-36, 40).
 
-    engine = LLMEngine(model, tokenizer)
+    engine = LLMEngine(model, tokenizer)                   # or LLMEngine(model, tokenizer, max_num_seqs=8, ...)
     rid = engine.add_request("What is 2+2?", SamplingParams(max_tokens=16))
     while engine.has_unfinished_requests():
-        for out in engine.step():        # this step's new tokens, per request
+        for out in engine.step():        # this step's new tokens, per sequence
             ...
     engine.abort(rid)                     # frees its blocks at once
 
-A step: the scheduler plans (`Scheduler.schedule`), the model runner computes every scheduled chunk
-in one forward (whole prompts, chunks of prompts and decode tokens side by side), and each request
-whose chunk reached its last token samples one: greedy rows by argmax, sampled rows with their own
-seeded generator. The runner is batch-invariant, so a request's logits, and so its tokens, do not
-depend on what shares its steps (up to how its prompt was chunked, a rounding-level difference).
+This is the package's one generation loop: `generate`, the CLI, `LLM` and the server all run their
+requests through it, one request or many. A step: the scheduler plans (`Scheduler.schedule`), the
+model runner computes every scheduled chunk in one forward (whole prompts, chunks of prompts, decode
+tokens and speculative drafts side by side), one sampler call chooses a token for every sequence
+whose chunk reached its last token (`sampling.sample`), and the scheduler does the bookkeeping
+(`Scheduler.update_from_output`). With speculative decoding on, each greedy sequence then drafts its
+next tokens by prompt lookup (`engine.spec`), to be verified in the next step.
+
+The runner is batch-invariant, so a sequence's logits, and so its tokens, do not depend on what
+shares its steps (up to how its prompt was chunked, a rounding-level difference).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..attention import Chunk
-from ..kv.blocks import RequestTooLarge
-from ..kv.paged import PagedKVCache
+from ..config import EngineConfig
+from ..kv.blocks import BlockManager, RequestTooLarge
+from ..kv.storage import KVStorage
 from ..model import Llama
-from ..sampling import SamplingParams, argmax_rows
+from ..sampling import INVALID, SamplingParams, sample
 from ..tokenizer import Tokenizer
 from .checks import check_prompt
 from .model_runner import ModelRunner
+from .outputs import StepOutput
 from .request import FinishReason, Request
-from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-KV_CACHE_BYTES = 1 << 30
-"""The pool's default size in bytes (vLLM sizes it from free GPU memory; here a fixed share of RAM)."""
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: its new tokens and text, and whether it ended."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None = None
+from .scheduler import Scheduler, SchedulerOutput
+from .spec import NgramIndex
 
 
 @dataclass
@@ -62,8 +57,10 @@ class StepRecord:
     schedule_s: float  # planning: queues, prefix lookups, block bookkeeping
     prepare_s: float  # laying out the step's inputs and metadata (inside the model runner)
     forward_s: float  # the model's forward
-    sample_s: float  # sampling, stop checks, outputs
-    scheduled: tuple[tuple[str, int, int], ...] = ()  # (request id, first token, tokens) per chunk
+    sample_s: float  # sampling, bookkeeping, outputs, drafting
+    scheduled: tuple[tuple[str, int, int], ...] = ()  # (sequence id, first token, tokens) per chunk
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_tokens: int = 0  # ... and accepted
 
     @property
     def total_s(self) -> float:
@@ -76,61 +73,64 @@ class StepRecord:
 
 
 class LLMEngine:
-    """A model, a paged pool, a scheduler, and the requests in flight.
+    """A model, a paged pool (the scheduler's block manager, the runner's storage), a scheduler, and the
+    requests in flight. `config` (an EngineConfig), or vLLM's flat keywords for it (`max_num_seqs=8`,
+    `num_blocks=64`, `speculative_config={...}`; see `EngineConfig.from_kwargs`)."""
 
-    `num_blocks` of `block_size` tokens each, by default what `KV_CACHE_BYTES` holds (at most enough
-    for max_num_seqs full contexts). `batch_invariant` (default on): a request's bits do not depend
-    on its neighbours, so a seeded request samples the same tokens in any company."""
-
-    def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, *, config: SchedulerConfig | None = None,
-                 num_blocks: int | None = None, block_size: int = 16, prefix_caching: bool = True,
-                 kernels: bool | None = None, batch_invariant: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None, *,
+                 clock: Callable[[], float] = time.perf_counter, **options: object):
+        if config is not None and options:
+            raise TypeError(f"give an EngineConfig or keywords for one, not both ({sorted(options)})")
+        self.config = config = config if config is not None else EngineConfig.from_kwargs(**options)
         self.model, self.tokenizer, self.clock = model, tokenizer, clock
-        self.config = config or SchedulerConfig()
-        cfg = model.cfg
-        if num_blocks is None:
-            per_block = 2 * cfg.n_layers * block_size * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
-            full = self.config.max_num_seqs * -(-cfg.max_position_embeddings // block_size)
-            num_blocks = max(1, min(full, KV_CACHE_BYTES // per_block))
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, dtype=model.dtype, prefix_caching=prefix_caching)
-        self.scheduler = Scheduler(self.cache, self.config)
-        self.runner = ModelRunner(model, self.cache, kernels, batch_invariant=batch_invariant)
-        self.requests: dict[str, Request] = {}
-        self.history: list[StepRecord] = []
+        cfg, cache = model.cfg, config.cache
+        num_blocks = cache.blocks_for(cfg, model.dtype.itemsize, config.scheduler.max_num_seqs)
+        self.manager = BlockManager(num_blocks, cache.block_size, cache.prefix_caching)
+        self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.dtype),
+                                  config.kernels, batch_invariant=config.batch_invariant)
+        self.scheduler = Scheduler(self.manager, config.scheduler)
+        self.requests: dict[str, Request] = {}  # sequence id -> its state: the unfinished, and the last finished
+        self.history: deque[StepRecord] = deque(maxlen=config.history_kept)
+        self._finished: deque[str] = deque()
         self._ids = itertools.count()
         self.steps = 0
+
+    # ---- requests in ---------------------------------------------------------------------------------
 
     def check_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
         """Refuse, with the reason, a request no step could ever serve: an empty or too long prompt, one the
         pool cannot hold even alone, bad parameters. Returns how many tokens it may generate."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise ValueError(f"SamplingParams.n={params.n}: the engine takes one sample per request; "
-                             f"add the prompt n times (with seeds seed, seed+1, ...)")
-        cfg = self.model.cfg
+        cfg, sched = self.model.cfg, self.config.scheduler
         check_prompt(prompt, cfg.max_position_embeddings, cfg.vocab_size)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer to see the text")
+        bad = [i for i in params.stop_token_ids if i >= cfg.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids={bad[:5]}: outside the vocabulary [0, {cfg.vocab_size})")
+        if params.n > sched.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={params.n}: the samples of a request run together, and at most "
+                             f"max_num_seqs={sched.max_num_seqs} run at once")
         max_new = min(params.max_tokens, cfg.max_position_embeddings - len(prompt))
         need = len(prompt) + max_new
-        if self.cache.blocks_needed(need) > self.cache.num_blocks:
+        if self.manager.blocks_needed(need) > self.manager.num_blocks:
             raise RequestTooLarge(
                 f"a request of {len(prompt)} prompt tokens and up to {max_new} new ones needs "
-                f"{self.cache.blocks_needed(need)} blocks of {self.cache.block_size} tokens; the pool has "
-                f"{self.cache.num_blocks} in all")
-        if not self.config.chunked_prefill and need > self.config.max_num_batched_tokens:
+                f"{self.manager.blocks_needed(need)} blocks of {self.manager.block_size} tokens; the pool has "
+                f"{self.manager.num_blocks} in all")
+        if not sched.chunked_prefill and need > sched.max_num_batched_tokens:
             raise RequestTooLarge(
                 f"without chunked prefill a request is computed in one step: {len(prompt)} prompt tokens and up "
                 f"to {max_new} new ones (recomputed whole after a preemption) exceed max_num_batched_tokens="
-                f"{self.config.max_num_batched_tokens}")
+                f"{sched.max_num_batched_tokens}")
         return max_new
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
         """Queue a prompt (text, with a tokenizer, or token ids); returns its id. What no step could ever
-        serve is refused at once (`check_request`); the requests already queued are untouched."""
+        serve is refused at once (`check_request`); the requests already queued are untouched. With
+        params.n > 1 the request is n sequences, sample i seeded seed + i, computing the prompt once."""
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -141,77 +141,139 @@ class LLMEngine:
         max_new = self.check_request(prompt, params)
         prompt = [int(i) for i in prompt]
         rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self.requests and not self.requests[rid].finished:
+        if any(not r.finished for r in self.sequences(rid)):
             raise ValueError(f"request id {rid!r} is already in use by an unfinished request")
-        cfg = self.model.cfg
-        req = Request(rid, prompt, params, max_new, cfg.eos_token_id, self.tokenizer, arrival_time=self.clock())
-        self.requests[rid] = req
-        self.scheduler.add(req, self.steps)
+        eos, now = self.model.cfg.eos_token_id, self.clock()
+        seqs = []
+        for i in range(params.n):
+            p = params if params.n == 1 else replace(params, seed=None if params.seed is None else params.seed + i)
+            seqs.append(Request(rid, list(prompt), p, max_new, eos, self.tokenizer, arrival_time=now, index=i,
+                                seq_id=rid if params.n == 1 else f"{rid}/{i}"))
+        for seq in seqs:
+            self.requests[seq.seq_id] = seq
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0], self.steps)
         return rid
 
+    def sequences(self, request_id: str) -> list[Request]:
+        """The request's sequences the engine holds: one, or its n samples."""
+        one = self.requests.get(request_id)
+        if one is not None and one.request_id == request_id:
+            return [one]
+        n = self.config.scheduler.max_num_seqs  # a request has at most this many samples
+        return [r for i in range(n) if (r := self.requests.get(f"{request_id}/{i}")) is not None]
+
+    def sequence(self, request_id: str, index: int = 0) -> Request:
+        """Sample `index` of a request (KeyError if the engine no longer holds it)."""
+        one = self.requests.get(request_id)
+        return one if one is not None and index == 0 else self.requests[f"{request_id}/{index}"]
+
     def abort(self, request_id: str) -> None:
-        """End a request now: its blocks go back to the pool at once. Aborting a finished one does nothing."""
-        req = self.requests.get(str(request_id))
-        if req is None:
+        """End a request (all its samples) now: its blocks go back to the pool at once. Aborting a finished
+        one does nothing."""
+        seqs = self.sequences(str(request_id))
+        if not seqs:
             raise KeyError(f"no request {request_id!r} in the engine")
-        if not req.finished:
-            req.finish_time = self.clock()
-            self.scheduler.finish(req, FinishReason.ABORT, self.steps)
+        for seq in seqs:
+            if not seq.finished:
+                seq.finish_time = self.clock()
+                self.scheduler.finish(seq, FinishReason.ABORT, self.steps)
+        self._retire()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
+        """Sequences waiting or running (a request's waiting samples included)."""
+        s = self.scheduler
+        return sum(1 + len(r.forks) for r in s.waiting) + len(s.running)
+
+    # ---- the step ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, and report what changed."""
+    def step(self) -> list[StepOutput]:
+        """Schedule, run one forward, sample, do the bookkeeping, draft; report what changed, per sequence."""
         t0 = self.clock()
         plan = self.scheduler.schedule(self.steps)
-        self.cache.storage.copy_blocks(plan.copies)
         t1 = self.clock()
-        logits = self._execute(plan) if plan.chunks else None  # (R, V): each chunk's last token
-        t2 = self.clock()
-        outputs = self._sample(plan, logits, t2) if plan.chunks else []
+        outputs, t2, prep, accepted = [], t1, 0.0, 0
+        if plan.chunks:
+            chunks = [Chunk(c.token_ids, c.start, c.request.table.blocks) for c in plan.chunks]
+            logits = self.runner.execute(chunks, plan.copies, [c.num_logits for c in plan.chunks])
+            t2, prep = self.clock(), self.runner.last_prepare_s
+            sampled = self._sample(plan, logits)
+            accepted = sum(len(sampled[c.request]) - 1 for c in plan.chunks if c.num_drafts and c.request in sampled)
+            outputs = self.scheduler.update_from_output(plan, sampled, t2, self.steps)
+            self._retire()
+            if self.config.speculative is not None:
+                self._draft()
         t3 = self.clock()
-        prep = self.runner.last_prepare_s if plan.chunks else 0.0
-        self.history.append(StepRecord(self.steps, len(plan.chunks), plan.num_decode_tokens, plan.num_prefill_tokens,
-                                       len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep, t3 - t2,
-                                       tuple((c.request.request_id, c.start, c.num_tokens) for c in plan.chunks)))
+        self.history.append(StepRecord(
+            self.steps, len(plan.chunks), plan.num_decode_tokens, plan.num_tokens - plan.num_decode_tokens,
+            len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep, t3 - t2,
+            tuple((c.request.seq_id, c.start, c.num_tokens) for c in plan.chunks), plan.num_draft_tokens,
+            accepted))
         self.steps += 1
         return outputs
 
-    def _execute(self, plan: SchedulerOutput) -> torch.Tensor:
-        chunks = [Chunk(c.token_ids, c.start, c.request.table.blocks) for c in plan.chunks]
-        return self.runner.execute(chunks)
-
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor, now: float) -> list[RequestOutput]:
-        """Advance every scheduled request; sample for those whose chunk reached their last token."""
-        done = [i for i, c in enumerate(plan.chunks) if c.completes]
-        greedy = [i for i in done if plan.chunks[i].request.params.greedy
-                  and plan.chunks[i].request.params.repetition_penalty == 1.0]
-        picks = dict(zip(greedy, argmax_rows(logits[greedy]).tolist())) if greedy else {}
-        outputs = []
-        for i, c in enumerate(plan.chunks):
-            req = c.request
-            req.num_computed_tokens += c.num_tokens
-            self.cache.commit(req.table)  # newly full blocks become findable by later prompts
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[Request, list[int]]:
+        """One sampler call for the step: a row per sampled sequence (a request's waiting samples read its
+        prompt's row), k + 1 rows for a sequence with k drafts. Returns each sequence's tokens: the drafts
+        its argmax agreed with, then its own next token."""
+        rows, samplers, seen, owners = [], [], [], []
+        at = 0
+        for c in plan.chunks:
             if not c.completes:
                 continue
-            token = picks[i] if i in picks else req.sampler(logits[i], req.all_token_ids)
-            text = req.append_token(token, now)
-            if req.finish_reason is not None:
-                req.finish_time = now
-                self.scheduler.finish(req, step=self.steps)
-            outputs.append(RequestOutput(req.request_id, [token], text, req.finished,
-                                         req.finish_reason.value if req.finish_reason else None))
-        return outputs
+            for seq in [c.request, *c.request.forks]:
+                for i in range(c.num_logits):
+                    rows.append(at + i)
+                    samplers.append(seq.sampler)
+                    seen.append(seq.all_token_ids if seq.params.repetition_penalty != 1.0 else ())
+                    owners.append(seq)
+            at += c.num_logits
+        picks = sample(logits[rows] if rows != list(range(len(logits))) else logits, samplers, seen,
+                       self.runner.kernels)
+        chosen: dict[Request, list[int]] = {}
+        for seq, t in zip(owners, picks):
+            chosen.setdefault(seq, []).append(t)
+        for c in plan.chunks:  # a draft stands while the model's own choice agrees with it
+            if c.num_drafts and c.request in chosen:
+                got = chosen[c.request]
+                n = 0
+                while n < c.num_drafts and got[n] == c.token_ids[-c.num_drafts + n] and got[n] != INVALID:
+                    n += 1
+                chosen[c.request] = got[:n + 1]
+        return chosen
+
+    def _draft(self) -> None:
+        """Each running greedy sequence that is decoding proposes its next tokens by prompt lookup."""
+        spec, cfg = self.config.speculative, self.model.cfg
+        for req in self.scheduler.running:
+            if not req.params.plain_greedy or req.num_tokens_to_compute != 1 or req.forks:
+                continue
+            if req.ngrams is None:
+                req.ngrams = NgramIndex(spec.prompt_lookup_max, spec.prompt_lookup_min)
+            req.ngrams.extend(req.all_token_ids[len(req.ngrams.tokens):])
+            k = min(spec.num_speculative_tokens, req.max_new_tokens - req.num_output_tokens - 1,
+                    cfg.max_position_embeddings - req.num_tokens)
+            proposal = req.ngrams.propose(k)
+            req.spec_token_ids = proposal.tokens if proposal is not None else []
+
+    def _retire(self) -> None:
+        """Keep the last `finished_kept` finished sequences for reading; forget older ones."""
+        self._finished.extend(r.seq_id for r in self.scheduler.just_finished)
+        self.scheduler.just_finished.clear()
+        while len(self._finished) > self.config.finished_kept:
+            old = self.requests.get(self._finished.popleft())
+            if old is not None and old.finished:
+                del self.requests[old.seq_id]
 
     def check_idle(self) -> None:
         """Assert that no request holds a block once all are done: the pool is whole (tests call it)."""
         assert not self.has_unfinished_requests(), "requests are still in flight"
-        self.cache.pool.check()
-        assert all(r == 0 for r in self.cache.pool.refcount), "a block is still referenced"
-        assert self.cache.pool.num_free == self.cache.num_blocks, "a block leaked"
+        pool = self.manager.pool
+        pool.check()
+        assert all(r == 0 for r in pool.refcount), "a block is still referenced"
+        assert pool.num_free == pool.num_blocks, "a block leaked"

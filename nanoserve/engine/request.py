@@ -9,6 +9,10 @@ step's logits at its last token are sampled into a new token.
     WAITING --admitted--> RUNNING --last token--> FINISHED (stop token, stop string, length, abort)
        ^                    |
        +--- PREEMPTED <-----+   its blocks freed; recomputed when readmitted, nothing lost
+
+A request asking for n samples is n of these, one per sample (`index`), sharing the caller's
+`request_id`: the first is queued, the others wait in its `forks` and join when its prompt is
+computed, each starting from a fork of its blocks (Day 19) and its own seeded generator.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..kv.blocks import BlockTable
-from ..sampling import Sampler, SamplingParams
+from ..sampling import RowSampler, SamplingParams
 from ..stopping import StopChecker
-from ..tokenizer import IncrementalDetokenizer, Tokenizer
+from ..tokenizer import Tokenizer
+from .outputs import StepOutput
+from .spec import NgramIndex
 
 
 class RequestStatus(enum.Enum):
@@ -37,13 +43,14 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # this request alone failed (a row whose logits could not be sampled)
 
 
 @dataclass(eq=False)
 class Request:
-    """One request's whole state. The scheduler moves it between queues; the engine samples for it."""
+    """One sequence's whole state. The scheduler moves it between queues; the engine samples for it."""
 
-    request_id: str
+    request_id: str  # the caller's id (shared by the n samples of one request)
     prompt_token_ids: list[int]
     params: SamplingParams
     max_new_tokens: int  # params.max_tokens, cut to what fits in the model's context
@@ -62,11 +69,19 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # clock reading at each sampled token
     finish_time: float | None = None
     events: list[tuple[int, RequestStatus]] = field(default_factory=list)  # (engine step, new status)
+    index: int = 0  # which of the request's samples
+    seq_id: str = ""  # the engine's key: request_id, or request_id/index for a request of several samples
+    forks: list[Request] = field(default_factory=list)  # the other samples, waiting for this one's prompt
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify in the next step
+    num_draft_tokens: int = 0  # drafts verified over the request's life
+    num_accepted_tokens: int = 0  # ... and accepted
+    error: str | None = None
 
     def __post_init__(self) -> None:
-        self.sampler = Sampler(self.params)
-        self.stopper = StopChecker(self.params, list(self.eos_token_ids), self.max_new_tokens)
-        self.detok = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        self.seq_id = self.seq_id or self.request_id
+        self.sampler = RowSampler(self.params)
+        self.stopper = StopChecker(self.params, list(self.eos_token_ids), self.max_new_tokens, self.tokenizer)
+        self.ngrams: NgramIndex | None = None  # speculative decoding's index, made by the engine on first use
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -94,18 +109,23 @@ class Request:
         self.status = status
         self.events.append((step, status))
 
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
     def append_token(self, token: int, now: float) -> str:
         """Record a sampled token; returns the text it releases. Sets finish_reason when it ends the request."""
         self.output_token_ids.append(token)
         self.token_times.append(now)
-        piece = ""
-        if self.detok is not None and token not in self.stopper.stop_ids:
-            piece = self.detok.push(token)
-        text, reason = self.stopper.check(token, len(self.output_token_ids), piece)
-        if reason == "length" and self.detok is not None:
-            text += self.detok.flush()
+        text, reason = self.stopper.push(token)
         if reason is not None:
             self.finish_reason = FinishReason(reason)
             self.stop_reason = token if token in self.stopper.stop_ids else self.stopper.matched
         self.text += text
         return text
+
+    def output(self, new_token_ids: list[int], new_text: str) -> StepOutput:
+        """This step's StepOutput for the sequence."""
+        reason = self.finish_reason.value if self.finish_reason is not None and self.finished else None
+        return StepOutput(self.request_id, new_token_ids, new_text, reason, self.index, self.stop_reason,
+                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, self.error)

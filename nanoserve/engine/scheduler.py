@@ -14,56 +14,53 @@ Each step, in vLLM V1's order:
    At admission the prefix cache is asked first: full blocks already computed for the same tokens
    are shared, not recomputed. A preempted request goes back to the head of the queue.
 
+A running request that has speculative drafts (`Request.spec_token_ids`) gets them too, budget and
+blocks permitting: 1 + k tokens, all verified in the one forward.
+
 The scheduler holds no tensors: it plans with the block manager's counts, and says which tokens of
-which request the step computes and which blocks the storage must copy first. The engine runs the
-step and reports back (`finish`).
+which request the step computes and which blocks the storage must copy first. After the forward the
+engine hands back what was sampled, and `update_from_output` does the bookkeeping (vLLM V1's shape):
+tokens computed, rejected drafts' blocks given back, full blocks named for prefix caching, a request's
+other samples forked from its prompt, tokens appended, finished requests out.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..config import SchedulerConfig
 from ..kv.blocks import BlockManager
+from ..sampling import INVALID
+from .outputs import StepOutput
 from .request import FinishReason, Request, RequestStatus
 
 
 @dataclass
-class SchedulerConfig:
-    """The field's knobs (vLLM's names)."""
-
-    max_num_seqs: int = 32  # requests running at once
-    max_num_batched_tokens: int = 2048  # tokens one step computes: decode tokens and prompt chunks together
-    chunked_prefill: bool = True  # a prompt larger than the budget left is split across steps
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"SchedulerConfig.{name}={v!r} must be an int >= 1")
-
-
-@dataclass
 class ScheduledChunk:
-    """`num_tokens` tokens of `request`, from its `start`-th token on."""
+    """`num_tokens` tokens of `request`, from its `start`-th token on: its own tokens, then `num_drafts`
+    speculative ones. `completes`: it reaches the request's last token, so the step samples for it."""
 
     request: Request
     start: int
-    num_tokens: int
+    token_ids: list[int]
+    num_drafts: int = 0
+    completes: bool = False
 
     @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start:self.start + self.num_tokens]
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
-    def completes(self) -> bool:
-        """Whether this chunk reaches the request's last token, so its logits are sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+    def num_logits(self) -> int:
+        """Rows of logits the step needs: one after the last token, and one after each draft."""
+        return 1 + self.num_drafts if self.completes else 0
 
     @property
     def is_decode(self) -> bool:
-        """One token after everything else is computed: a decode step, in the old words."""
-        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+        """One token (and its drafts) after everything else is computed: a decode step, in the old words."""
+        return self.num_tokens - self.num_drafts == 1 and self.start >= self.request.num_prompt_tokens
 
 
 @dataclass
@@ -82,7 +79,12 @@ class SchedulerOutput:
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(c.is_decode for c in self.chunks)
+        """Tokens of decoding requests: their last token and their drafts."""
+        return sum(c.num_tokens for c in self.chunks if c.is_decode)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(c.num_drafts for c in self.chunks)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -100,6 +102,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at first admissions
         self.prefix_hit_tokens = 0  # of those, found
+        self.just_finished: list[Request] = []  # sequences finished since the engine last looked
 
     def add(self, request: Request, step: int = 0) -> None:
         """Queue a request (the engine has checked it can ever be served)."""
@@ -122,6 +125,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens_to_compute, budget)
+            drafts = min(len(req.spec_token_ids), budget - n) if n == req.num_tokens_to_compute else 0
+            if drafts and self.manager.blocks_to_append(req.table, n + drafts) > self.manager.pool.num_free:
+                drafts = 0  # no room to verify drafts: decode the one token, preempting no one for them
             while self.manager.blocks_to_append(req.table, n) > self.manager.pool.num_free:
                 victim = self.running.pop()  # the newest running request makes room
                 self._preempt(victim, step)
@@ -129,14 +135,15 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._append(req, n, out)
-                budget -= n
+                self._append(req, n, out, drafts)
+                budget -= n + drafts
                 i += 1
                 continue
             break  # req itself was the newest and is now waiting
-        while (self.waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and not out.preempted:
             req = self.waiting[0]
+            if len(self.running) + 1 + len(req.forks) > self.config.max_num_seqs:
+                break  # a request's samples all run together, once its prompt is in
             if not self._admit(req, budget, out, step):
                 break
             budget -= out.chunks[-1].num_tokens
@@ -164,20 +171,74 @@ class Scheduler:
         self._append(req, n, out)
         return True
 
-    def _append(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _append(self, req: Request, n: int, out: SchedulerOutput, drafts: int = 0) -> None:
         start = req.num_computed_tokens
-        _, copies = self.manager.append_slots(req.table, req.all_token_ids[start:start + n])
+        tokens = req.all_token_ids[start:start + n] + req.spec_token_ids[:drafts]
+        _, copies = self.manager.append_slots(req.table, tokens)
         out.copies.extend(copies)
-        out.chunks.append(ScheduledChunk(req, start, n))
+        out.chunks.append(ScheduledChunk(req, start, tokens, drafts, start + n == req.num_tokens))
 
     def _preempt(self, req: Request, step: int) -> None:
         """Free the request's blocks and put it at the head of the queue, to be recomputed."""
         self.manager.free(req.table)
-        req.table, req.num_computed_tokens = None, 0
+        req.table, req.num_computed_tokens, req.spec_token_ids = None, 0, []
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.move(RequestStatus.PREEMPTED, step)
         self.waiting.appendleft(req)
+
+    def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[Request, list[int]], now: float,
+                           step: int = 0) -> list[StepOutput]:
+        """The after-step bookkeeping, in plan order: each chunk's tokens are computed; a chunk with drafts
+        keeps those its sampled tokens agree with and gives back the blocks of the rest; newly full blocks
+        are named for prefix caching; a request whose prompt is now in forks its other samples; each
+        sequence appends its sampled tokens (up to a stop) and ends if it is done. `sampled[seq]`: the
+        tokens the step chose for it (verified drafts then the bonus token; `[INVALID]`: it failed)."""
+        outputs = []
+        for c in plan.chunks:
+            req = c.request
+            req.num_computed_tokens += c.num_tokens
+            tokens = sampled.get(req)
+            if c.num_drafts:
+                accepted = len(tokens) - 1 if tokens and tokens[0] != INVALID else 0
+                req.num_computed_tokens -= c.num_drafts - accepted
+                self.manager.truncate(req.table, req.num_computed_tokens)
+                req.num_draft_tokens += c.num_drafts
+                req.num_accepted_tokens += accepted
+            req.spec_token_ids = []
+            self.manager.commit(req.table)  # newly full blocks become findable by later prompts
+            if not c.completes:
+                continue
+            seqs = [req]
+            if req.forks:  # its prompt is in: the other samples start from a fork of its blocks
+                for f in req.forks:
+                    f.table, f.num_computed_tokens = self.manager.fork(req.table), req.num_computed_tokens
+                    f.num_cached_tokens = req.num_cached_tokens
+                    f.move(RequestStatus.RUNNING, step)
+                    self.running.append(f)
+                seqs += req.forks
+                req.forks = []
+            for seq in seqs:
+                outputs.append(self._append_tokens(seq, sampled.get(seq, [INVALID]), now, step))
+        return outputs
+
+    def _append_tokens(self, seq: Request, tokens: list[int], now: float, step: int) -> StepOutput:
+        """Append a sequence's sampled tokens, stopping at the first that ends it; end it if it is done."""
+        new, text = [], ""
+        if tokens and tokens[0] == INVALID:
+            seq.error = "the step's logits for this request could not be sampled (not finite, or no probability mass)"
+            seq.finish_time = now
+            self.finish(seq, FinishReason.ERROR, step)
+            return seq.output(new, text)
+        for t in tokens:
+            text += seq.append_token(t, now)
+            new.append(t)
+            if seq.finish_reason is not None:
+                break
+        if seq.finish_reason is not None:
+            seq.finish_time = now
+            self.finish(seq, step=step)
+        return seq.output(new, text)
 
     def finish(self, req: Request, reason: FinishReason | None = None, step: int = 0) -> None:
         """Take a request out of the queues and give its blocks back (done, or aborted)."""
@@ -190,4 +251,6 @@ class Scheduler:
         if req.table is not None:
             self.manager.free(req.table)
             req.table = None
+        req.spec_token_ids = []
         req.move(RequestStatus.FINISHED, step)
+        self.just_finished.append(req)

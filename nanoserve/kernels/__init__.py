@@ -13,8 +13,9 @@ arithmetic in four calls:
                      decode row split into pieces on several cores and merged (split-K)
 
 Each computes a row from that row's numbers only, so a row's result is the same whatever else
-is in the step. `model.ops` and `attention` call them where `enabled()` says so, and run
-torch's ops otherwise; the two roads agree to fp32 rounding. The same extension holds the
+is in the step. Whether they run is the caller's explicit choice: `model.ops` and the forward take
+`compiled=True/False`, the model runner holds it for its steps (`use_kernels` resolves a request for
+them against what this machine has); the two roads agree to fp32 rounding. The same extension holds the
 product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`) and `BlockModel` (`csrc/step.cpp`,
 `model.compiled`), which steps a model on blocks through all of these in one call.
 
@@ -26,14 +27,12 @@ or NANOSERVE_KERNELS=0) `load()` says why, once, and everything runs on torch's 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
 import os
 import platform
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -50,7 +49,6 @@ HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
 
 _state: dict[str, object] = {}  # "module" once built; "reason" once it cannot be
-_enabled: contextvars.ContextVar[bool] = contextvars.ContextVar("nanoserve_kernels", default=True)
 
 
 def build_flags() -> tuple[str, list[str]]:
@@ -130,19 +128,14 @@ def unavailable_reason() -> str | None:
     return _state.get("reason")  # type: ignore[return-value]
 
 
-def enabled() -> bool:
-    """Whether the engine calls the kernels now: they are built, and no `torch_ops()` block is open."""
-    return _enabled.get() and load() is not None
+def available() -> bool:
+    """Whether the kernels are built (or can be, on first call) on this machine."""
+    return load() is not None
 
 
-@contextlib.contextmanager
-def torch_ops() -> Iterator[None]:
-    """Run the block on torch's own ops instead of the kernels: the readable road, and the A/B baseline."""
-    token = _enabled.set(False)
-    try:
-        yield
-    finally:
-        _enabled.reset(token)
+def resolve(want: bool | None) -> bool:
+    """A `compiled=` argument made definite: None means wherever they are available."""
+    return available() if want is None else bool(want)
 
 
 def use_kernels(dtype: torch.dtype, want: bool | None = None) -> bool:

@@ -13,8 +13,8 @@ Hugging Face folder writes (`model.fetch`), bit for bit. `quantize` makes blocks
 reference rounding), for tests and for models that did not come as GGUF.
 
 The kernel is part of the compiled kernels' extension (`kernels.load`), built with them on first use. Where it
-cannot be, or inside `kernels.torch_ops()`, `block_linear` multiplies by `dequantize`'s matrix instead: same
-weights, fp32 rounding apart, slower.
+cannot be, or with `compiled=False`, `block_linear` multiplies by `dequantize`'s matrix instead: same weights,
+fp32 rounding apart, slower.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import CSRC, _enabled, build_flags
+from . import CSRC, build_flags, resolve
 from . import load as load_kernels
 from . import unavailable_reason as kernels_unavailable
 
@@ -95,18 +95,14 @@ def quantize(w: Tensor, fmt: str) -> Tensor:
     return out.contiguous()
 
 
-def compiled() -> bool:
-    """Whether `block_linear` runs the compiled kernel now: built, and no `kernels.torch_ops()` block open."""
-    return _enabled.get() and load() is not None
-
-
-def block_linear(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:
+def block_linear(x: Tensor, blocks: Tensor, fmt: str, compiled: bool | None = None) -> Tensor:
     """x (..., K) fp32 @ w.T for the weight w (N, K) that `blocks` (N, K / 32 * bytes) hold -> (..., N).
-    Each row of the result depends on that row of x only: the same bits in any batch."""
+    Each row of the result depends on that row of x only: the same bits in any batch. `compiled`: the
+    kernel (None: where it is built), or False for the product with `dequantize`'s matrix."""
     if has_torch_function((x, blocks)):
-        return handle_torch_function(block_linear, (x, blocks), x, blocks, fmt)
+        return handle_torch_function(block_linear, (x, blocks), x, blocks, fmt, compiled)
     block_bytes(fmt)
-    if compiled() and not (x.requires_grad and torch.is_grad_enabled()):
+    if resolve(compiled) and not (x.requires_grad and torch.is_grad_enabled()):
         return load().block_linear(x.contiguous(), blocks, fmt)  # type: ignore[union-attr]
     if x.dtype != torch.float32:
         raise TypeError(f"x: expected float32, got {x.dtype}")

@@ -5,7 +5,7 @@ the sequence never uses. A paged cache is a pool of `num_blocks` blocks of
 `block_size` token slots; a sequence takes blocks only as it grows, so at most one
 partly filled block per sequence is wasted, and sequences with a common prefix can
 point at the same blocks. Everything here is lists and counts; the tensors those
-numbers describe live in `paged.KVStorage`, so a scheduler can plan (can this
+numbers describe live in `storage.KVStorage`, so a scheduler can plan (can this
 request be admitted? whom to preempt?) without touching them.
 
     BlockPool     which blocks are free, how many users each block has
@@ -29,9 +29,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..config import MAX_BLOCK_SIZE
 from .prefix import PrefixCache, hash_block
-
-MAX_BLOCK_SIZE = 256
 
 
 def check_block_size(block_size: int) -> None:

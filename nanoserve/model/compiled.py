@@ -45,7 +45,7 @@ class BlockStep:
         compiled kernels."""
         mats = model.matrices()
         if model.dtype != torch.float32 or not all(isinstance(m, BlockWeight) for m in mats) \
-                or not isinstance(model.embed, BlockWeight) or not kernels.enabled():
+                or not isinstance(model.embed, BlockWeight) or not kernels.available():
             return None
         norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
         cfg = model.cfg
@@ -55,12 +55,16 @@ class BlockStep:
         return cls(model, compiled)
 
     @torch.inference_mode()
-    def __call__(self, ids: Tensor, md: AttentionMetadata, storage, split_keys: int | None = None) -> Tensor:
-        """Logits (R, V) at each request's last token, as the Python forward gives them; the step's k/v are
-        written into `storage` (a KVStorage) on the way. Only the step's real tokens are computed."""
+    def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,
+                 split_keys: int | None = None) -> Tensor:
+        """Logits (R, V) at `rows` of the step (default each request's last token), as the Python forward gives
+        them; the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are computed."""
         n = md.num_tokens
+        rows = md.last_rows if rows is None else rows
+        empty = rows.numel() == 0  # nothing to sample (a prompt's middle chunk): the k/v are still written
         cos, sin = self.model.rope_tables(max(md.seq_lens_host) - 1)  # (P, D) each, every position of the step
-        return self.compiled.step(
+        logits = self.compiled.step(
             ids[:n], md.positions[:n], cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
-            md.seq_lens, md.block_tables, md.last_rows, self.model.cfg.head_dim ** -0.5,
+            md.seq_lens, md.block_tables, md.last_rows[:1] if empty else rows, self.model.cfg.head_dim ** -0.5,
             kernels.SPLIT_KEYS if split_keys is None else split_keys)
+        return logits[:0] if empty else logits

@@ -4,13 +4,14 @@ One forward pass: token ids -> embeddings -> n_layers x (RMSNorm, attention with
 rotary positions and grouped-query heads, RMSNorm, SwiGLU MLP) -> RMSNorm -> logits.
 
 Where the keys and values go is not this module's business. Attention calls a
-*KV backend* with the rotated q, k, v of the current tokens; the backend writes
-k and v wherever it keeps them (nowhere, a contiguous cache, a paged pool) and
-returns the attention output. The model is the same on every engine path; only
-the backend changes. `causal_attention` below is the no-cache backend.
+*KV backend* (`attention.causal`) with the rotated q, k, v of the current tokens; the
+backend writes k and v wherever it keeps them (nowhere, a contiguous cache, a paged
+pool) and returns the attention output. The model is the same on every engine path;
+only the backend changes. With no backend given, a forward attends over its own tokens.
 
-The layer's small operations live in `ops` (and run compiled where they can), the
-weight products in `matmul`.
+The layer's small operations live in `ops`, the weight products in `matmul`. Whether
+they run the compiled kernels is the caller's choice, one argument (`compiled`) passed
+down the forward.
 
 Shapes: B batch, T new tokens, H query heads, K kv heads, D head_dim, C hidden.
 """
@@ -19,51 +20,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
+from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from .matmul import PACK_ROWS, BlockWeight, embedding, forward_rows, linear, linear_weight, pack
 from .ops import add_rms_norm, rope_cos_sin, rope_frequencies, rope_qk, silu_mul
-
-
-class KVBackend(Protocol):
-    """Where attention reads and writes K/V. Called once per layer per forward."""
-
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (B, T, H, D), k/v (B, T, K, D), already rotated -> output (B, T, H*D)."""
-        ...
-
-
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Tensor | None = None) -> Tensor:
-    """Attention of T queries over the same T keys, causal, grouped-query.
-
-    q (B, T, H, D), k/v (B, T, K, D); key_mask (B, T) bool marks real (not padding) keys.
-    Returns (B, T, H*D).
-    """
-    B, T, H, D = q.shape
-    qh = q.transpose(1, 2)  # (B, H, T, D)
-    kh = k.transpose(1, 2)  # (B, K, T, D)
-    vh = v.transpose(1, 2)
-    mask = None
-    if key_mask is not None:
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        mask = causal[None] & key_mask[:, None, :]  # (B, T, T)
-        # a padding query would see no key at all; let it see itself so softmax stays finite
-        mask = mask | torch.eye(T, dtype=torch.bool, device=q.device)[None]
-        mask = mask[:, None]  # (B, 1, T, T)
-    out = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-    )  # (B, H, T, D)
-    return out.transpose(1, 2).reshape(B, T, H * D)
-
-
-def no_cache_backend(key_mask: Tensor | None = None) -> KVBackend:
-    """The backend with no memory: each forward attends over exactly its own tokens."""
-    return lambda layer, q, k, v: causal_attention(q, k, v, key_mask)
 
 
 class Block(nn.Module):
@@ -81,26 +47,27 @@ class Block(nn.Module):
         self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
         self.w_down = linear_weight(C, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, compiled: bool = False) -> Tensor:
         """x (B, T, C) -> (B, T, C): x + attention(norm(x)), then that + mlp(norm(that))."""
         eps = self.cfg.rms_norm_eps
-        x, h = add_rms_norm(x, None, self.attn_norm, eps)
-        x, h = add_rms_norm(x, self.attention(h, cos, sin, layer, kv), self.mlp_norm, eps)
-        return x + self.mlp(h)
+        x, h = add_rms_norm(x, None, self.attn_norm, eps, compiled)
+        x, h = add_rms_norm(x, self.attention(h, cos, sin, layer, kv, compiled), self.mlp_norm, eps, compiled)
+        return x + self.mlp(h, compiled)
 
-    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend) -> Tensor:
+    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend,
+                  compiled: bool = False) -> Tensor:
         """What attention adds to the stream: q, k, v from one product, RoPE on q and k, the
         backend's attention, the output projection. h (B, T, C) normed; cos/sin (B, T, 1, D)."""
         cfg = self.cfg
         B, T, _ = h.shape
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = linear(h, self.wqkv).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
-        q, k, v = rope_qk(qkv, cos, sin, H, K)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
-        return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo)
+        qkv = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
+        q, k, v = rope_qk(qkv, cos, sin, H, K, compiled)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
+        return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo, compiled)
 
-    def mlp(self, h: Tensor) -> Tensor:
+    def mlp(self, h: Tensor, compiled: bool = False) -> Tensor:
         """What the MLP adds: SwiGLU, silu(gate) * up from one product, projected back down. h (B, T, C)."""
-        return linear(silu_mul(linear(h, self.w_gate_up)), self.w_down)
+        return linear(silu_mul(linear(h, self.w_gate_up, compiled), compiled), self.w_down, compiled)
 
 
 class Llama(nn.Module):
@@ -150,9 +117,11 @@ class Llama(nn.Module):
 
     def hidden_states(
         self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
-        on_layer: Callable[[int, Tensor], None] | None = None,
+        on_layer: Callable[[int, Tensor], None] | None = None, compiled: bool | None = None,
     ) -> Tensor:
-        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream."""
+        """ids (B, T) -> final normed hidden states (B, T, C). `on_layer(i, x)` sees the residual stream.
+        `compiled`: run the compiled kernels (None: wherever they are built)."""
+        compiled = kernels.resolve(compiled)
         if ids.dim() == 1:
             ids = ids[None]
         B, T = ids.shape
@@ -162,31 +131,32 @@ class Llama(nn.Module):
         cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
         x = embedding(ids, self.embed)  # (B, T, C)
         for i, block in enumerate(self.layers):
-            x = block(x, cos, sin, i, kv)
+            x = block(x, cos, sin, i, kv, compiled)
             if on_layer is not None:
                 on_layer(i, x)
-        return add_rms_norm(x, None, self.norm, self.cfg.rms_norm_eps)[1]
+        return add_rms_norm(x, None, self.norm, self.cfg.rms_norm_eps, compiled)[1]
 
-    def logits(self, h: Tensor) -> Tensor:
+    def logits(self, h: Tensor, compiled: bool | None = None) -> Tensor:
         """The LM head: final hidden states h (..., C) -> fp32 logits (..., V). Two or more rows run
         as forward_rows(n) (zero rows added): one product kernel for every row, whatever the count."""
         rows = h.reshape(-1, h.shape[-1])  # (n, C)
         n = rows.shape[0]
         rows = F.pad(rows, (0, 0, 0, forward_rows(n) - n))
-        return linear(rows, self.lm_head)[:n].float().view(*h.shape[:-1], -1)
+        return linear(rows, self.lm_head, kernels.resolve(compiled))[:n].float().view(*h.shape[:-1], -1)
 
     def forward(
         self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
-        last_only: bool = False, logit_index: Tensor | None = None,
+        last_only: bool = False, logit_index: Tensor | None = None, compiled: bool | None = None,
     ) -> Tensor:
         """Logits (B, T, V); with `last_only` just the last position (B, V); with `logit_index` (B,)
         the position each row wants (B, V). Computing only the needed rows skips most of the LM head."""
-        h = self.hidden_states(ids, positions, kv)
+        compiled = kernels.resolve(compiled)
+        h = self.hidden_states(ids, positions, kv, compiled=compiled)
         if logit_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logit_index]
         elif last_only:
             h = h[:, -1]
-        return self.logits(h)
+        return self.logits(h, compiled)
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> Llama:

@@ -182,10 +182,11 @@ def embedding(ids: Tensor, w: Tensor | BlockWeight) -> Tensor:
     return F.embedding(ids, w)
 
 
-def linear(x: Tensor, w: Tensor | BlockWeight) -> Tensor:
-    """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc)."""
+def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> Tensor:
+    """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc).
+    `compiled` matters to a BlockWeight only: the block kernel (None: where built), or a dequantized copy."""
     if isinstance(w, BlockWeight):
-        return quant.block_linear(x, w.blocks, w.fmt)
+        return quant.block_linear(x, w.blocks, w.fmt, compiled)
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
         if x.numel() == n_in:

@@ -3,8 +3,8 @@
 Each is first written as its definition in torch (`rms_norm`, `apply_rope`), the form the
 notebooks read and check against the reference library. The layer itself calls the step
 forms (`add_rms_norm`, `rope_qk`, `silu_mul`): the same arithmetic, run by the compiled
-kernels where `kernels.enabled()` and the tensors fit (fp32 on the CPU, no gradients), and by
-exactly those torch definitions otherwise. `kernels.torch_ops()` forces the torch road.
+kernels when the caller asks (`compiled=True`) and the tensors fit (fp32 on the CPU, no
+gradients), and by exactly those torch definitions otherwise.
 
 Shapes: B batch, T tokens, H query heads, K kv heads, D head_dim, C hidden, I intermediate.
 """
@@ -30,9 +30,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                 compiled: bool = False) -> tuple[Tensor, Tensor]:
     """The residual stream's step: (x + residual, its rms_norm); with residual None, (x, rms_norm(x))."""
-    if kernels.enabled() and kernels.fits(x, weight, *([] if residual is None else [residual])):
+    if compiled and kernels.fits(x, weight, *([] if residual is None else [residual])):
         return kernels.add_rms_norm(x, residual, weight, eps)
     if residual is not None:
         x = x + residual
@@ -73,21 +74,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Tensor, Tensor]:
+def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int,
+            compiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Split qkv (B, T, H + 2K, D) into q (B, T, H, D), k, v (B, T, K, D), with q and k rotated
     (one call for both). The compiled road rotates them in qkv's own memory."""
     H, K = n_heads, n_kv_heads
     B, T, _, D = qkv.shape
-    if kernels.enabled() and kernels.fits(qkv, cos, sin):
+    if compiled and kernels.fits(qkv, cos, sin):
         kernels.rope_(qkv.view(B * T, H + 2 * K, D), cos.reshape(B * T, D), sin.reshape(B * T, D), H + K)
         return qkv.split([H, K, K], dim=2)
     q, k = apply_rope(qkv[:, :, : H + K], cos, sin).split([H, K], dim=2)
     return q, k, qkv[:, :, H + K:]
 
 
-def silu_mul(gate_up: Tensor) -> Tensor:
+def silu_mul(gate_up: Tensor, compiled: bool = False) -> Tensor:
     """SwiGLU's middle: gate_up (..., 2I), the gate and up projections side by side -> silu(gate) * up (..., I)."""
-    if kernels.enabled() and kernels.fits(gate_up):
+    if compiled and kernels.fits(gate_up):
         return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -2,6 +2,6 @@
 (`protocol`), Prometheus metrics (`metrics`) and the FastAPI app (`app`). FastAPI and uvicorn are
 imported only when a server is built."""
 
-from .async_engine import AsyncEngine, Delta, EngineDraining
+from .async_engine import AsyncEngine, EngineDraining
 
-__all__ = ["AsyncEngine", "Delta", "EngineDraining"]
+__all__ = ["AsyncEngine", "EngineDraining"]

@@ -8,7 +8,7 @@
     GET  /health                200 while the engine thread runs
     GET  /metrics               Prometheus text (see `metrics`)
 
-Every HTTP request becomes one engine request per sample (n samples of p prompts: n * p requests), and
+Every prompt of an HTTP request becomes one engine request (its n samples computed from one prefill), and
 the engine's one thread batches them with everything else in flight. Bad input is a 400 in OpenAI's
 error shape naming the field; an unknown model a 404; a server draining for shutdown a 503. A client
 that disconnects aborts its requests, and their blocks return to the pool at the next step.
@@ -29,9 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..engine import LLMEngine, SchedulerConfig
+from ..config import EngineConfig
+from ..engine import LLMEngine, StepOutput
 from ..tokenizer import Tokenizer
-from .async_engine import AsyncEngine, Delta, EngineDraining
+from .async_engine import AsyncEngine, EngineDraining
 from .protocol import BadRequest, ChatCompletionRequest, CompletionRequest, error_body
 
 DISCONNECT_POLL_S = 0.25
@@ -96,22 +97,22 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
         return None
 
     def jobs_for(body, prompts: Sequence[Sequence[int]], wanted: int | None) -> list[tuple[list[int], Any]]:
-        """One (prompt ids, params) per choice, each checked before any is queued."""
+        """One (prompt ids, params) per prompt (its n samples one engine request), each checked before any is
+        queued. Choice p * n + i is prompt p's sample i."""
         body.refuse_unsupported()
         jobs = []
         for p, ids in enumerate(prompts):
-            for i in range(body.n):
-                max_tokens = wanted if wanted is not None else max(1, max_context - len(ids))
-                params = body.sampling_params(max_tokens, i)
-                try:
-                    async_engine.check(ids, params)
-                except EngineDraining:
-                    raise
-                except ValueError as e:
-                    where = f"prompt {p}: " if len(prompts) > 1 else ""
-                    raise BadRequest(f"{where}{e}", "prompt" if "prompt" in str(e) or "token" in str(e)
-                                     else None) from None
-                jobs.append((list(ids), params))
+            max_tokens = wanted if wanted is not None else max(1, max_context - len(ids))
+            params = body.sampling_params(max_tokens)
+            try:
+                async_engine.check(ids, params)
+            except EngineDraining:
+                raise
+            except ValueError as e:
+                where = f"prompt {p}: " if len(prompts) > 1 else ""
+                raise BadRequest(f"{where}{e}", "prompt" if "prompt" in str(e) or "token" in str(e)
+                                 else None) from None
+            jobs.append((list(ids), params))
         return jobs
 
     @app.post("/v1/completions")
@@ -139,11 +140,11 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
             async def events() -> AsyncIterator[str]:
                 usage = [0, 0]
                 async for index, d in merged(async_engine, jobs, rid):
-                    if d.text or d.token_ids or d.finished:
-                        yield sse({**head, "choices": [choice(index, d.text, d.finish_reason, d.token_ids)]})
+                    if d.new_text or d.new_token_ids or d.finished:
+                        yield sse({**head, "choices": [choice(index, d.new_text, d.finish_reason, d.new_token_ids)]})
                     if d.finished:
-                        usage[0] += d.prompt_tokens
-                        usage[1] += d.output_tokens
+                        usage[0] += d.num_prompt_tokens if d.index == 0 else 0
+                        usage[1] += d.num_output_tokens
                 if body.include_usage:
                     yield sse({**head, "choices": [], "usage": usage_of(*usage)})
                 yield "data: [DONE]\n\n"
@@ -154,8 +155,7 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
         if results is None:
             return error(499, "client closed the request")
         return {**head, "choices": [choice(i, r["text"], r["finish"], r["ids"]) for i, r in enumerate(results)],
-                "usage": usage_of(sum(r["prompt"] for r in results) // max(1, body.n),
-                                  sum(r["output"] for r in results))}
+                "usage": usage_of(sum(len(ids) for ids, _ in jobs), sum(r["output"] for r in results))}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
@@ -178,13 +178,13 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str):
                                                     "logprobs": None, "finish_reason": None}]})
                 out_tokens = 0
                 async for index, d in merged(async_engine, jobs, rid):
-                    if d.text:
-                        c = {"index": index, "delta": {"content": d.text}, "logprobs": None, "finish_reason": None}
+                    if d.new_text:
+                        c = {"index": index, "delta": {"content": d.new_text}, "logprobs": None, "finish_reason": None}
                         if body.return_token_ids:
-                            c["token_ids"] = d.token_ids
+                            c["token_ids"] = d.new_token_ids
                         yield sse({**head, "choices": [c]})
                     if d.finished:
-                        out_tokens += d.output_tokens
+                        out_tokens += d.num_output_tokens
                         yield sse({**head, "choices": [{"index": index, "delta": {}, "logprobs": None,
                                                         "finish_reason": d.finish_reason}]})
                 if body.include_usage:
@@ -225,14 +225,15 @@ def finish_reason(reason: str | None) -> str | None:
 
 
 async def merged(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]],
-                 rid: str) -> AsyncIterator[tuple[int, Delta]]:
-    """Every job's deltas as they come, tagged with the job's index. Leaving early aborts whatever is unfinished."""
+                 rid: str) -> AsyncIterator[tuple[int, StepOutput]]:
+    """Every job's StepOutputs as they come, tagged with their choice index (job * n + sample). Leaving early
+    aborts whatever is unfinished."""
     if len(jobs) == 1:
         stream = async_engine.generate(jobs[0][0], jobs[0][1], f"{rid}-0")
         try:
             async for d in stream:
                 d.finish_reason = finish_reason(d.finish_reason)
-                yield 0, d
+                yield d.index, d
         finally:
             await stream.aclose()
         return
@@ -241,14 +242,14 @@ async def merged(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]
     async def pump(i: int, ids: list[int], params) -> None:
         try:
             async for d in async_engine.generate(ids, params, f"{rid}-{i}"):
-                await q.put((i, d))
+                await q.put((i * params.n + d.index, d))
         except Exception as e:
             await q.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, ids, p)) for i, (ids, p) in enumerate(jobs)]
     try:
-        done = 0
-        while done < len(jobs):
+        done, total = 0, sum(p.n for _, p in jobs)
+        while done < total:
             i, d = await q.get()
             if isinstance(d, BaseException):
                 raise d
@@ -265,15 +266,15 @@ async def merged(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]
 async def collect(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]], rid: str,
                   request) -> list[dict] | None:
     """Run every job to its end; None if the client disconnected first (its requests are then aborted)."""
-    results = [{"text": "", "ids": [], "finish": None, "prompt": len(ids), "output": 0} for ids, _ in jobs]
+    results = [{"text": "", "ids": [], "finish": None, "output": 0} for _, p in jobs for _ in range(p.n)]
 
     async def run() -> None:
         async for i, d in merged(async_engine, jobs, rid):
-            results[i]["text"] += d.text
-            results[i]["ids"] += d.token_ids
+            results[i]["text"] += d.new_text
+            results[i]["ids"] += d.new_token_ids
             if d.finished:
                 results[i]["finish"] = d.finish_reason
-                results[i]["output"] = d.output_tokens
+                results[i]["output"] = d.num_output_tokens
 
     task = asyncio.create_task(run())
     while not task.done():
@@ -294,23 +295,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=256,
-                    help="tokens per step; small keeps running decodes fast while prompts are chunked")
-    ap.add_argument("--kv-cache-gib", type=float, default=1.0, help="the KV pool's size")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--no-prefix-caching", action="store_true")
+    EngineConfig.add_cli_arguments(ap)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     ap.add_argument("--log-level", default="warning")
 
 
 def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
-    cfg = model.cfg
-    bytes_per_block = 2 * cfg.n_layers * args.block_size * cfg.n_kv_heads * cfg.head_dim * model.dtype.itemsize
-    num_blocks = max(1, int(args.kv_cache_gib * (1 << 30)) // bytes_per_block)
-    config = SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
-    return LLMEngine(model, tok, config=config, num_blocks=num_blocks, block_size=args.block_size,
-                     prefix_caching=not args.no_prefix_caching)
+    """The engine `serve` steps, configured from its command line (`EngineConfig.from_cli`)."""
+    return LLMEngine(model, tok, EngineConfig.from_cli(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -320,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .. import load
+    from ..loader import load
     from ..model.fetch import default_model_dir
 
     if args.threads:
@@ -340,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     server.thread.start()
-    print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 ({engine.cache.num_blocks} KV blocks)",
+    print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 ({engine.manager.num_blocks} KV blocks)",
           flush=True)
     async_engine.run(keep_going=server.thread.is_alive)  # until the app's shutdown stops it, or uvicorn exits
     server.thread.join()

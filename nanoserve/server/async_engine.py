@@ -6,8 +6,8 @@ thread through a queue of commands (add, abort); each request's outputs come bac
 asyncio.Queue, fed from the thread with `call_soon_threadsafe`. Only the engine thread touches the
 engine after startup, so the engine needs no locks.
 
-    stream = async_engine.generate(prompt_ids, params)   # an async iterator of Deltas
-    async for delta in stream: ...                       # closing it early aborts the request
+    stream = async_engine.generate(prompt_ids, params)   # an async iterator of the request's StepOutputs
+    async for out in stream: ...                         # closing it early aborts the request
 
 A handler that stops reading (its client went away) closes the iterator, which sends an abort: the
 request's blocks go back to the pool at the next step.
@@ -28,9 +28,8 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 
-from ..engine import LLMEngine
+from ..engine import LLMEngine, StepOutput
 from ..sampling import SamplingParams
 from .metrics import EngineMetrics
 
@@ -39,37 +38,19 @@ class EngineDraining(RuntimeError):
     """The server is shutting down: it finishes what it has but takes nothing new."""
 
 
-@dataclass
-class Delta:
-    """What one step produced for one request, and at the end its counts."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
 class AsyncEngine:
     """An LLMEngine stepped by its own thread; `generate` is the asyncio side of one request."""
 
-    def __init__(self, engine: LLMEngine, history_limit: int = 1024, clock: Callable[[], float] = time.monotonic,
-                 own_thread: bool = True):
+    def __init__(self, engine: LLMEngine, clock: Callable[[], float] = time.monotonic, own_thread: bool = True):
         self.engine = engine
         self.own_thread = own_thread  # False: the caller steps the engine in its own thread (`run`)
-        self.history_limit = history_limit  # a server runs for days: keep only the last steps' records
         self.metrics = EngineMetrics()
         self.clock = clock
         self.draining = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._sinks: dict[str, Callable[[Delta | BaseException], None]] = {}
+        self._sinks: dict[str, Callable[[StepOutput | BaseException], None]] = {}
+        self._left: dict[str, int] = {}  # request id -> its samples not yet finished
         self._ids = itertools.count()
         self._stop = threading.Event()
         self._stepping = threading.Event()  # set while a thread runs the loop
@@ -122,8 +103,9 @@ class AsyncEngine:
         self.engine.check_request(prompt_ids, params)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
-                       request_id: str | None = None) -> AsyncIterator[Delta]:
-        """Queue one request and yield its deltas as the engine thread produces them."""
+                       request_id: str | None = None) -> AsyncIterator[StepOutput]:
+        """Queue one request and yield its StepOutputs (every sample's, `index` telling them apart) as the engine
+        thread produces them, until all its samples are finished."""
         self.check(prompt_ids, params)
         if not self.is_running:
             raise RuntimeError("the engine thread is not running")
@@ -132,14 +114,15 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._sinks[rid] = lambda item: loop.call_soon_threadsafe(q.put_nowait, item)
         self._send(("add", rid, list(prompt_ids), params))
-        finished = False
+        finished, left = False, params.n
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                finished = item.finished
+                left -= item.finished
+                finished = left == 0
                 yield item
                 if finished:
                     return
@@ -181,8 +164,6 @@ class AsyncEngine:
             for out in outputs:
                 self._deliver(out, now)
             self.metrics.steps += 1
-            if len(engine.history) > 2 * self.history_limit:
-                del engine.history[:-self.history_limit]
             self.snapshot = self._snapshot()
 
     def _take_commands(self) -> None:
@@ -195,33 +176,32 @@ class AsyncEngine:
                 _, rid, ids, params = command
                 try:
                     self.engine.add_request(ids, params, rid)
+                    self._left[rid] = params.n
                 except Exception as e:  # checked before queueing, so rare: a race with another's id
                     self._emit(rid, e)
                     continue
             else:
                 _, rid = command
-                req = self.engine.requests.get(rid)
-                if req is None:
+                if rid not in self._left:
                     continue
+                seqs = [r for r in self.engine.sequences(rid) if not r.finished]
                 self.engine.abort(rid)
-                self.engine.requests.pop(rid, None)
+                for seq in seqs:
+                    self.metrics.on_finish(seq, "abort", self.clock())
+                self._left.pop(rid, None)
                 self._sinks.pop(rid, None)
-                self.metrics.on_finish(req, "abort", self.clock())
 
-    def _deliver(self, out, now: float) -> None:
+    def _deliver(self, out: StepOutput, now: float) -> None:
         rid = out.request_id
-        req = self.engine.requests[rid]
-        delta = Delta(rid, list(out.new_token_ids), out.new_text, out.finish_reason)
         if out.finished:
-            self.engine.requests.pop(rid, None)
-            delta.prompt_tokens, delta.output_tokens = req.num_prompt_tokens, len(req.output_token_ids)
-            delta.cached_tokens = req.num_cached_tokens
-            self.metrics.on_finish(req, out.finish_reason, now)
-        self._emit(rid, delta)
-        if out.finished:
+            self.metrics.on_finish(self.engine.sequence(rid, out.index), out.finish_reason, now)
+            self._left[rid] -= 1
+        self._emit(rid, out)
+        if out.finished and self._left[rid] == 0:
+            del self._left[rid]
             self._sinks.pop(rid, None)
 
-    def _emit(self, rid: str, item: Delta | BaseException) -> None:
+    def _emit(self, rid: str, item: StepOutput | BaseException) -> None:
         sink = self._sinks.get(rid)
         if sink is not None:
             try:
@@ -231,13 +211,12 @@ class AsyncEngine:
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._sinks):
-            req = self.engine.requests.get(rid)
-            if req is not None and not req.finished:
+            if rid in self._left:
                 try:
                     self.engine.abort(rid)
                 except Exception:
                     pass
-            self.engine.requests.pop(rid, None)
+                del self._left[rid]
             self._emit(rid, error)
             self._sinks.pop(rid, None)
 
@@ -245,6 +224,6 @@ class AsyncEngine:
         """The gauges /metrics reports, read in the engine thread between steps (a consistent view)."""
         e = self.engine
         s = e.scheduler
-        return dict(running=len(s.running), waiting=len(s.waiting), blocks_used=e.cache.pool.num_used,
-                    blocks_total=e.cache.num_blocks, prefix_queried_tokens=s.prefix_queried_tokens,
+        return dict(running=len(s.running), waiting=len(s.waiting), blocks_used=e.manager.pool.num_used,
+                    blocks_total=e.manager.num_blocks, prefix_queried_tokens=s.prefix_queried_tokens,
                     prefix_hit_tokens=s.prefix_hit_tokens, preemptions=s.num_preemptions)

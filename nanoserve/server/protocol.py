@@ -59,15 +59,15 @@ class _Common(BaseModel):
         if self.logprobs not in (None, False, 0):
             raise BadRequest("logprobs are not supported", "logprobs")
 
-    def sampling_params(self, max_tokens: int, sample: int = 0) -> SamplingParams:
-        """The engine's parameters for one of the n samples (sample i is seeded seed + i)."""
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters for the request's n samples (the engine seeds sample i with seed + i)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        seed = None if self.seed is None else self.seed + sample
+        seed = self.seed
         try:
             return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                                   repetition_penalty=self.repetition_penalty, seed=seed, max_tokens=max_tokens,
                                   stop=stop, stop_token_ids=list(self.stop_token_ids or []),
-                                  ignore_eos=self.ignore_eos)
+                                  ignore_eos=self.ignore_eos, n=self.n)
         except ValueError as e:
             raise BadRequest(str(e).replace("SamplingParams.", ""), _field_of(str(e))) from None
 

@@ -79,13 +79,9 @@ def simulate(arrivals: Sequence[tuple[int, int | Sequence[int], int]], config: S
             break
         plan = sched.schedule(s)
         steps.append([(c.request.request_id, c.start, c.num_tokens) for c in plan.chunks])
-        for c in plan.chunks:
-            c.request.num_computed_tokens += c.num_tokens
-            sched.manager.commit(c.request.table)  # after the "forward": newly full blocks become findable
-            if c.completes:
-                c.request.append_token(0, float(s))
-                if c.request.finish_reason is not None:
-                    sched.finish(c.request, step=s)
+        # the "forward" ran: every request whose chunk reached its end samples token 0, and the scheduler
+        # does the engine's bookkeeping (tokens computed, full blocks named, finished requests out)
+        sched.update_from_output(plan, {c.request: [0] for c in plan.chunks if c.completes}, float(s), s)
     return steps, requests
 
 

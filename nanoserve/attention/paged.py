@@ -1,4 +1,4 @@
-"""The paged attention backend: one KVBackend for every paged step, its implementations chosen here.
+"""The paged attention backend: the KVBackend of every paged step, its implementations chosen here.
 
     reference  gather each request's blocks, attend over the copy (the oracle; Day 18)
     torch      batched torch ops: decode rows in one gathered rectangle (Day 28)
@@ -23,7 +23,7 @@ from . import reference, torch_ops
 from .metadata import AttentionMetadata
 
 if TYPE_CHECKING:
-    from ..kv.paged import KVStorage
+    from ..kv.storage import KVStorage
 
 Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, dict], Tensor]
 """(q (N, H, D), k, v (N, K, D), k_pool, v_pool (blocks, bs, K, D), metadata, scratch) -> (N, H*D)."""

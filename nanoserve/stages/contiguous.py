@@ -1,4 +1,4 @@
-"""The KV cache: compute each position's keys and values once, keep them (Day 13).
+"""Day 13's stage: the KV cache, contiguous. Compute each position's keys and values once, keep them.
 
 Without a cache (Day 08) every generated token re-runs the whole sequence, so
 step n costs n tokens of work. But a position's k and v never change once it is
@@ -6,7 +6,7 @@ computed: causal attention means later tokens cannot affect earlier ones. So we
 keep them. Prefill runs the prompt once and writes its K/V; each decode step
 runs one token, appends its K/V, and attends that one query over everything kept.
 
-`KVCache` is a `KVBackend` (see model/llama.py): the model hands it the rotated q, k, v
+`KVCache` is a `KVBackend` (`attention.causal`): the model hands it the rotated q, k, v
 of the new tokens, layer by layer, and never learns where they are kept. Here
 they are kept contiguously, preallocated for `max_len` positions per sequence:
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..attention.reference import prefix_attention
+from ..attention.causal import causal_attention
 from ..attention.torch_ops import decode_attention, value_bags
 from ..config import ModelConfig
 from ..model import Llama
@@ -108,7 +108,8 @@ class KVCache:
         if T == 1 and B == 1 and q.dtype == torch.float32 and not q.is_cuda:  # one query: the bag read (Day 13)
             values = v_layer.reshape(-1, v_layer.shape[-1])  # (K * max_len, D): the rows the bags index
             return decode_attention(q, k_layer[:, :, :end], values, self._value_bags(end, q.shape[2]))
-        return prefix_attention(q, k_layer[:, :, :end], v_layer[:, :, :end], start)  # views, no copy
+        keys, values = k_layer[:, :, :end].transpose(1, 2), v_layer[:, :, :end].transpose(1, 2)  # (B, S, K, D) views
+        return causal_attention(q, keys, values, start)
 
     def _value_bags(self, n: int, n_heads: int) -> tuple[Tensor, Tensor]:
         """decode_attention's value bags for positions [0, n): the same for every layer of a step."""
@@ -120,7 +121,7 @@ class KVCache:
 
 
 class CachedSession:
-    """The Session of generate.py on a KV cache: prefill once, then one token per decode step."""
+    """A Session (`stages.sessions`) on a KV cache: prefill once, then one token per decode step."""
 
     def __init__(self, model: Llama, max_len: int):
         self.model = model

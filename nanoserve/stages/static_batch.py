@@ -1,4 +1,4 @@
-"""Many sequences through one forward: the static batch (Days 27-28).
+"""Day 28's stage: many sequences through one forward, the static batch (Days 27-29).
 
 A decode step of one sequence streams every weight from memory to make one token. Batching
 is the difference between using the hardware and paying for it: B rows share that one read
@@ -7,8 +7,9 @@ of the weights (Day 29 measures how far that holds on this machine).
 A static batch is fixed when it starts and runs until its slowest row is done. Its prefill is
 one step of every prompt laid end to end (`attention.prepare`: no padding, each prompt's
 attention confined to its own tokens); each decode step appends one token to every row. Every
-row has its own BlockTable in one shared PagedKVCache, and each step goes through the same
-ModelRunner as a single sequence's.
+row has its own BlockTable in one shared pool, and each step goes through the same ModelRunner
+as the engine's. The engine's scheduler (Days 30-35) replaces it; Day 29 and the benchmarks keep
+it to measure against.
 
 Batch invariance: a row's tokens do not depend on what else is in the batch. The products give
 a row the same bits for any count of two or more rows (`model.matmul`), and attention computes
@@ -31,34 +32,35 @@ from torch import Tensor
 
 from ..attention import Chunk
 from ..config import ModelConfig
-from ..kv.blocks import BlockTable, check_block_size
-from ..kv.paged import PagedKVCache
+from ..engine.checks import check_prompts
+from ..engine.model_runner import ModelRunner
+from ..kv.blocks import BlockManager, BlockTable, check_block_size
+from ..kv.storage import KVStorage
 from ..model import Llama
 from ..sampling import argmax_rows
-from .checks import check_prompts
-from .model_runner import ModelRunner
 
 
 class BatchedPagedKVCache:
-    """B rows in one PagedKVCache, each with its own BlockTable, for the life of a static batch.
+    """B rows in one paged pool (a block manager and its storage), each with its own BlockTable, for the
+    life of a static batch.
 
     Row i keeps index i, and its blocks, until `free()`, finished or not: a static batch has no
     way to hand a row's place to another request. That is the limit the scheduler removes."""
 
-    def __init__(self, cache: PagedKVCache, batch_size: int):
+    def __init__(self, manager: BlockManager, storage: KVStorage, batch_size: int):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.cache = cache
-        self.tables: list[BlockTable] = [cache.new_table() for _ in range(batch_size)]
+        self.manager, self.storage = manager, storage
+        self.tables: list[BlockTable] = [manager.new_table() for _ in range(batch_size)]
 
     @classmethod
     def for_batch(cls, cfg: ModelConfig, prompt_lens: Sequence[int], max_new_tokens: int,
                   block_size: int = 16, dtype: torch.dtype = torch.float32) -> BatchedPagedKVCache:
         """A pool just large enough for every row's prompt plus `max_new_tokens` (no prefix caching)."""
         check_block_size(block_size)
-        blocks = sum(math.ceil((n + max_new_tokens) / block_size) for n in prompt_lens)
-        cache = PagedKVCache(cfg, max(blocks, 1), block_size, dtype=dtype, prefix_caching=False)
-        return cls(cache, len(prompt_lens))
+        blocks = max(1, sum(math.ceil((n + max_new_tokens) / block_size) for n in prompt_lens))
+        manager = BlockManager(blocks, block_size, prefix_caching=False)
+        return cls(manager, KVStorage(cfg, blocks, block_size, dtype), len(prompt_lens))
 
     @property
     def batch_size(self) -> int:
@@ -66,7 +68,7 @@ class BatchedPagedKVCache:
 
     @property
     def block_size(self) -> int:
-        return self.cache.block_size
+        return self.manager.block_size
 
     @property
     def context_lens(self) -> list[int]:
@@ -79,7 +81,7 @@ class BatchedPagedKVCache:
         if any(t.num_tokens for t in self.tables):
             raise ValueError("prefill_chunks needs empty rows: a static batch is prefilled once")
         for table, p in zip(self.tables, prompts):
-            self.cache.append(table, list(p))
+            self.manager.append_slots(table, list(p))  # fresh blocks: nothing shared, nothing to copy
         return [Chunk(t.token_ids, 0, t.blocks) for t in self.tables]
 
     def decode_chunks(self, tokens: Sequence[int]) -> list[Chunk]:
@@ -90,14 +92,14 @@ class BatchedPagedKVCache:
             raise ValueError("decode_chunks before prefill_chunks: every row needs its prompt first")
         chunks = []
         for table, token in zip(self.tables, tokens):
-            self.cache.append(table, [token])
+            self.manager.append_slots(table, [token])
             chunks.append(Chunk([token], table.num_tokens - 1, table.blocks))
         return chunks
 
     def free(self) -> None:
         """Give every row's blocks back to the pool."""
         for t in self.tables:
-            self.cache.free(t)
+            self.manager.free(t)
 
 
 class StaticBatch:
@@ -127,7 +129,7 @@ class StaticBatch:
         self.prompts = [list(p) for p in prompts]
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, [len(p) for p in prompts], self.n_steps + 1, block_size,
                                                 model.dtype)
-        self.runner = ModelRunner(model, self.kv.cache, kernels, compiled_step=compiled_step)
+        self.runner = ModelRunner(model, self.kv.storage, kernels, compiled_step=compiled_step)
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.last: list[int] = []  # each row's newest token, collected or not: the next step's input
         self.steps_done = -1  # -1 before the prefill, 0 after it, n after n decode steps

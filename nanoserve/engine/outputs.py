@@ -1,0 +1,54 @@
+"""What generation hands back: one type per step inside the package, and vLLM's shapes at the API.
+
+    StepOutput        one step, one sequence: the tokens it gained and the text they released (every road)
+    CompletionOutput  one finished sample: its text and token ids (vLLM's CompletionOutput)
+    RequestOutput     one prompt's samples (vLLM's RequestOutput: what `LLM.generate` returns)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one sequence: its new tokens (several when speculative drafts were
+    accepted) and the text they release, and at its end why it ended and its counts."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (this request alone failed)
+    index: int = 0  # which of the request's n samples
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # generated so far
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    error: str | None = None  # with finish_reason "error": what went wrong
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of one prompt (vLLM's CompletionOutput)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop token or stop string that ended it
+
+
+@dataclass
+class RequestOutput:
+    """Everything one prompt produced (vLLM's RequestOutput): its samples in `outputs`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
