@@ -156,8 +156,11 @@ class ModelConfig:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes: what one more token of context costs.
-    The one formula every pool size, memory plot and benchmark uses (a block holds block_size tokens)."""
+    """2 (K and V) x layers x kv_heads x head_dim x bytes: what one more token of context costs. The one
+    formula every pool size, memory plot and benchmark uses (a block holds block_size tokens).
+
+    Grouped-query attention is why n_kv_heads and not n_heads appears here: SmolLM2's 9 query
+    heads share 3 KV heads, so its cache is a third of what full multi-head attention would keep."""
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
     return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes

@@ -47,6 +47,7 @@ def stream_generate(model: Llama, prompt_ids: Sequence[int], params: SamplingPar
     drafts were accepted); the last carries a finish_reason. Stopping early aborts the request."""
     params = params or SamplingParams(temperature=0.0)
     engine = one_request_engine(model, tokenizer, len(prompt_ids), params, speculative_config)
+    engine.check_request(prompt_ids, params)  # token ids only: text is the tokenizer's to encode first
     rid = engine.add_request(prompt_ids, params)
     try:
         while engine.has_unfinished_requests():

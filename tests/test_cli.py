@@ -14,7 +14,8 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nanoserve", *args], capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("road", [[], ["--no-cache"]], ids=["engine", "no-cache"])
+@pytest.mark.parametrize("road", [[], ["--weights", "gguf"], ["--speculative-tokens", "4"]],
+                         ids=["fp32", "gguf", "speculative"])
 def test_generate_greedy_chat(model_dir, road):
     r = run("generate", "--model", str(model_dir), "--prompt", "What is the capital of France?",
             "--chat", "--max-tokens", "12", *road)
@@ -38,6 +39,7 @@ def test_default_model_is_the_fetched_one(model_dir):
         (["generate", "--prompt", ""], "--prompt is empty"),
         (["generate", "--prompt", "hi", "--model", "/nonexistent/folder"], "checkpoint folder not found"),
         (["generate", "--prompt", "hi", "--stop", ""], "stop"),
+        (["generate", "--prompt", "hi", "--weights", "int3"], "--weights"),
         (["frobnicate"], "invalid choice"),
         (["bench"], "<benchmark>"),
         (["bench", "batch", "--sizes", "x"], "--sizes"),

@@ -1,5 +1,6 @@
-"""The package's layout as the README draws it: no import cycles between modules, and the engine
-never imports an instrument (bench/) or a teaching helper (teach/)."""
+"""The package's layout as the README draws it: layers that import only downward, folders included (a
+module may import its own folder's modules and anything in a lower layer, never a higher one), no import
+cycle between modules with package `__init__`s counted, and no two public classes of the same name."""
 
 import ast
 from pathlib import Path
@@ -7,8 +8,27 @@ from pathlib import Path
 import nanoserve
 
 ROOT = Path(nanoserve.__file__).parent
-ENGINE_FREE_OF = ("nanoserve.bench", "nanoserve.teach")
-NOT_ENGINE = ("nanoserve.bench", "nanoserve.teach", "nanoserve.cli", "nanoserve.__main__")
+
+LAYERS = [
+    ["config"],
+    ["kernels", "tokenizer"],
+    ["sampling", "kv"],
+    ["stopping", "attention"],
+    ["model"],
+    ["engine"],
+    ["stages", "loader"],
+    ["generate", "llm"],
+    ["server"],
+    ["bench"],
+    ["teach"],
+    ["cli"],
+    ["__main__", "__init__"],
+]
+"""Bottom to top: a unit (a top-level module or folder, `__init__` the package's own) imports only units of
+its own layer's lower neighbours, never one above it. The engine never imports an instrument or a teaching
+helper; instruments import the engine; notebooks import both."""
+
+RANK = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
 
 def module_name(path: Path) -> str:
@@ -16,8 +36,18 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def unit_of(module: str) -> str:
+    """The layer unit a module belongs to: its top-level module or folder under nanoserve."""
+    parts = module.split(".")
+    return "__init__" if len(parts) == 1 else parts[1]
+
+
+MODULES = {module_name(p) for p in ROOT.rglob("*.py")}
+
+
 def imports(path: Path) -> set[str]:
-    """Every nanoserve module `path` imports, at the top or inside a function."""
+    """Every nanoserve module `path` imports, at the top, inside a function or under TYPE_CHECKING. `from . import x`
+    imports module x when x is one, else the package itself (whose `__init__` defines x)."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
@@ -29,24 +59,37 @@ def imports(path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.startswith("nanoserve"):
-                out.add(target)
-                out.update(f"{target}.{a.name}" for a in node.names)  # `from . import x` names a module
+            if not target.startswith("nanoserve"):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                out.add(sub if sub in MODULES else target)
         elif isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("nanoserve"))
-    modules = {module_name(p) for p in ROOT.rglob("*.py")}
-    return {m for m in out if m in modules} - {name}
+    return {m for m in out if m in MODULES} - {name}
 
 
 def graph() -> dict[str, set[str]]:
     return {module_name(p): imports(p) for p in ROOT.rglob("*.py")}
 
 
-def test_no_import_cycles():
-    g = graph()
-    # a package's __init__ re-exporting its own submodules is not a cycle worth the name: skip the edge
-    # from a module to its own package __init__
-    edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in g.items()}
+def test_every_unit_has_a_layer():
+    units = {unit_of(m) for m in MODULES}
+    assert units <= set(RANK), f"add {sorted(units - set(RANK))} to LAYERS"
+
+
+def test_imports_only_go_down_the_layers():
+    bad = []
+    for m, targets in graph().items():
+        for t in targets:
+            a, b = unit_of(m), unit_of(t)
+            if a != b and RANK[b] >= RANK[a]:
+                bad.append(f"{m} ({a}, layer {RANK[a]}) imports {t} ({b}, layer {RANK[b]})")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_cycles_package_inits_included():
+    edges = graph()
     state: dict[str, int] = {}
 
     def visit(m: str, path: list[str]) -> None:
@@ -62,9 +105,18 @@ def test_no_import_cycles():
             visit(m, [])
 
 
-def test_the_engine_imports_no_instrument_or_teaching_helper():
-    for m, targets in graph().items():
-        if m == "nanoserve" or m.startswith(NOT_ENGINE):
-            continue
-        bad = sorted(t for t in targets if t.startswith(ENGINE_FREE_OF))
-        assert not bad, f"{m} imports {bad}"
+def test_no_two_public_classes_share_a_name():
+    where: dict[str, list[str]] = {}
+    for p in ROOT.rglob("*.py"):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(module_name(p))
+    clashes = {name: mods for name, mods in where.items() if len(mods) > 1}
+    assert not clashes, clashes
+
+
+def test_the_checks_catch_what_they_claim():
+    """A cycle through a package __init__ and an upward import are seen: the test is not vacuous."""
+    assert RANK["engine"] < RANK["generate"] and RANK["kv"] < RANK["attention"] < RANK["model"]
+    assert imports(ROOT / "engine" / "llm_engine.py") >= {"nanoserve.engine.scheduler", "nanoserve.config"}
+    assert "nanoserve.kernels" in imports(ROOT / "model" / "ops.py")  # `from .. import kernels`: the package

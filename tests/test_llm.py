@@ -39,13 +39,14 @@ def test_chat_token_ids_and_one_params_per_prompt(llm, model, tok):
     assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
 
 
-def test_n_samples_are_seeded_one_by_one_and_share_the_prompt_blocks(llm, tok):
+def test_n_samples_are_seeded_one_by_one_and_share_one_prefill(llm, tok):
     prompt = "Write a short poem about the moon and the stars, in the style of an old sea shanty:"
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=12, n=3)
-    hits_before = llm.engine.scheduler.prefix_hit_tokens
+    first_step = llm.engine.steps
     (out,) = llm.generate(prompt, params, use_tqdm=False)
     assert [c.index for c in out.outputs] == [0, 1, 2]
-    assert llm.engine.scheduler.prefix_hit_tokens - hits_before >= 2 * 16  # samples 1 and 2 found its blocks
+    steps = [r for r in llm.engine.history if r.step >= first_step]
+    assert sum(r.num_prefill_tokens for r in steps) == len(tok.encode(prompt))  # the prompt, computed once
     for i, c in enumerate(out.outputs):
         (single,) = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, seed=11 + i, max_tokens=12),
                                  use_tqdm=False)

@@ -1,9 +1,9 @@
-"""Sampling: parameter validation, each filter's defining property, seeded reproducibility,
-and a statistical check that Sampler draws from exactly the distribution filtered_probs describes."""
+"""Sampling: parameter validation, each filter's defining property, seeded reproducibility, the batched
+sampler (greedy and sampled rows, penalties and seeds in one call, each row as alone, a bad row marked
+alone), and a statistical check that `sample` draws from exactly the distribution filtered_probs describes."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -11,14 +11,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve import kernels
 from nanoserve.sampling import (
     ARGMAX_CHUNK,
-    Sampler,
+    GREEDY_BELOW,
+    INVALID,
+    RowSampler,
     SamplingParams,
     apply_repetition_penalty,
     argmax_rows,
     filtered_probs,
+    sample,
 )
 from nanoserve.stopping import StopChecker
 
@@ -48,6 +50,8 @@ from nanoserve.stopping import StopChecker
         ("seed", 1.5),
         ("stop_token_ids", ["2"]),
         ("stop_token_ids", [-1]),
+        ("seed", 2**64),  # torch's generators take 64 bits
+        ("seed", -(2**63) - 1),
     ],
 )
 def test_invalid_field_raises_naming_it(field, value):
@@ -59,6 +63,16 @@ def test_valid_params_and_defaults():
     p = SamplingParams(temperature=0, top_k=-1, top_p=1.0, min_p=0.0, stop="END")
     assert p.greedy and p.stop == ["END"]  # a single stop string is accepted and listed
     assert not SamplingParams().greedy
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1 and SamplingParams(seed=-5).seed == -5
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-300 would turn every logit into inf and the distribution into NaN: below GREEDY_BELOW it is argmax."""
+    logits = torch.tensor([[0.5, 3.0, 2.9, -1.0]])
+    for t in (1e-300, 1e-40, GREEDY_BELOW / 2):
+        params = SamplingParams(temperature=t, seed=0)
+        assert params.greedy and sample(logits, [RowSampler(params)]) == [1]
+    assert not SamplingParams(temperature=GREEDY_BELOW).greedy
 
 
 # ---------------------------------------------------------------- filters
@@ -120,7 +134,8 @@ def test_temperature_zero_is_one_hot_on_argmax():
     probs = filtered_probs(logits, SamplingParams(temperature=0.0))
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
     # and the greedy sampler never touches randomness: any seed gives the argmax
-    assert {Sampler(SamplingParams(temperature=0.0, seed=s))(logits) for s in range(5)} == {1}
+    assert {sample(logits[None], [RowSampler(SamplingParams(temperature=0.0, seed=s))])[0] for s in range(5)} == {1}
+    assert RowSampler(SamplingParams(temperature=0.0, seed=3)).generator is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -140,9 +155,7 @@ def test_argmax_rows_is_argmax(compiled, seed, rows, chunks, ties, nans, neg_inf
         logits.view(-1)[at] = math.nan
     if neg_inf_row:
         logits[-1] = -math.inf
-    with contextlib.nullcontext() if compiled else kernels.torch_ops():
-        assert kernels.enabled() == (compiled and kernels.load() is not None)
-        assert torch.equal(argmax_rows(logits), logits.argmax(-1))
+    assert torch.equal(argmax_rows(logits, compiled=compiled), logits.argmax(-1))
 
 
 def test_argmax_rows_other_widths_and_strided_logits():
@@ -177,36 +190,56 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative():
     # a penalty below 1 rewards repetition, again in the right direction for both signs
     assert apply_repetition_penalty(logits, [0, 1], 0.5).tolist() == [4.0, -1.0, 1.0, -1.0]
     # greedy with a penalty: the argmax moves off the repeated token
-    assert Sampler(SamplingParams(temperature=0, repetition_penalty=2.0))(torch.tensor([2.0, 1.5]), [0]) == 1
+    penalised = RowSampler(SamplingParams(temperature=0, repetition_penalty=2.0))
+    assert sample(torch.tensor([[2.0, 1.5]]), [penalised], [[0]]) == [1]
 
 
 # ---------------------------------------------------------------- seeded reproducibility
 
 
+def draws(params: SamplingParams, logits: torch.Tensor, n: int, seen=()) -> list[int]:
+    """n tokens from one row's sampler, one `sample` call each, as a sequence draws them step by step."""
+    row = RowSampler(params)
+    return [sample(logits[None], [row], [seen])[0] for _ in range(n)]
+
+
 def test_same_seed_same_tokens_run_to_run():
     logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
-
-    def draw(n: int) -> list[int]:
-        s = Sampler(params)
-        return [s(logits) for _ in range(n)]
-
-    first = draw(200)
-    assert draw(200) == first
+    first = draws(params, logits, 200)
+    assert draws(params, logits, 200) == first
     assert len(set(first)) > 5  # really random, not stuck on one token
-    other = Sampler(SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=4321))
-    assert [other(logits) for _ in range(200)] != first
+    assert draws(SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=4321), logits, 200) != first
 
 
 def test_sampler_is_not_affected_by_the_global_rng():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(1))
-    a = Sampler(SamplingParams(seed=7))
     torch.manual_seed(0)
-    xs = [a(logits) for _ in range(50)]
-    b = Sampler(SamplingParams(seed=7))
+    xs = draws(SamplingParams(seed=7), logits, 50)
     torch.manual_seed(999)
     torch.rand(1000)
-    assert [b(logits) for _ in range(50)] == xs
+    assert draws(SamplingParams(seed=7), logits, 50) == xs
+
+
+def test_one_call_gives_each_row_what_it_gets_alone():
+    """Greedy rows, penalised greedy rows and sampled rows (each its own parameters and seed) in one call: each
+    row's token equals its token sampled alone, and a row that cannot be sampled is INVALID, alone."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    logits[4, 7] = float("nan")  # a broken row among good ones
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, repetition_penalty=1.8),
+              SamplingParams(temperature=0.8, top_k=20, seed=1), SamplingParams(temperature=1.2, top_p=0.7, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.6, min_p=0.1, seed=4)]
+    seen = [[], [int(logits[1].argmax()), 3], [5], [], [], [9, 9]]
+    for step in range(5):
+        together = sample(logits, [RowSampler(p) for p in params], seen)
+        alone = [sample(logits[i:i + 1], [RowSampler(p)], [seen[i]])[0] for i, p in enumerate(params)]
+        assert together == alone, step
+    assert together[0] == int(logits[0].argmax())
+    assert together[1] != int(logits[1].argmax())  # the penalty moved the greedy choice
+    assert together[4] == INVALID and all(t != INVALID for i, t in enumerate(together) if i != 4)
+    with pytest.raises(ValueError, match="2 samplers for 6 rows"):
+        sample(logits, [RowSampler(params[0])] * 2)
 
 
 # ---------------------------------------------------------------- the statistical test
@@ -259,9 +292,7 @@ def test_sampled_frequencies_match_filtered_probs(params):
     clearly reject the unfiltered distribution: the test has the power to see a wrong filter."""
     n = 20_000
     seen = [0, 6]  # the repetition penalty (when set) applies to these
-    sampler = Sampler(params)
-    counts = torch.bincount(torch.tensor([sampler(SMALL_VOCAB_LOGITS, seen) for _ in range(n)]),
-                            minlength=len(SMALL_VOCAB_LOGITS))
+    counts = torch.bincount(torch.tensor(draws(params, SMALL_VOCAB_LOGITS, n, seen)), minlength=len(SMALL_VOCAB_LOGITS))
     probs = filtered_probs(SMALL_VOCAB_LOGITS, params, seen).double()
 
     assert chi_square_p_value(counts, probs) > 1e-3
@@ -278,6 +309,18 @@ def test_sampled_frequencies_match_filtered_probs(params):
     swapped = probs.clone()
     swapped[top2] = probs[top2.flip(0)]
     assert chi_square_p_value(counts, swapped) < 1e-6
+
+
+def test_stop_checker_push_detokenizes_and_flushes_at_the_length_limit(tok):
+    """push: a token's text (a character split across tokens comes out whole), the stop ids' text never."""
+    ids = tok.encode("héllo wörld")
+    params = SamplingParams(temperature=0, max_tokens=len(ids))
+    stopper = StopChecker(params, eos_ids=[2], max_new=100, tokenizer=tok)
+    out = [stopper.push(t) for t in ids]
+    assert "".join(t for t, _ in out) == "héllo wörld" and out[-1][1] == "length"
+    assert all(r is None for _, r in out[:-1]) and stopper.generated == len(ids)
+    eos = StopChecker(params, eos_ids=[2], max_new=100, tokenizer=tok)
+    assert eos.push(ids[0])[1] is None and eos.push(2) == ("", "stop")
 
 
 def _stream(stopper, pieces):

@@ -263,18 +263,19 @@ class AttentionRecorder:
 # ---------------------------------------------------------------- Day 06: the block and the residual stream
 
 
-def block_parts(block: Block, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv) -> dict[str, Tensor]:
+def block_parts(block: Block, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv,
+                compiled: bool = False) -> dict[str, Tensor]:
     """Block.forward one sublayer at a time, keeping what each step makes; 'out' is block(x, ...) bit
     for bit (the same calls). The MLP's gate, up and act are shown from its first product. x (B, T, C)."""
     eps = block.cfg.rms_norm_eps
     p: dict[str, Tensor] = {"x": x}
-    _, p["attn_in"] = add_rms_norm(x, None, block.attn_norm, eps)
-    p["attn_out"] = block.attention(p["attn_in"], cos, sin, layer, kv)  # (B, T, C): what attention adds
-    p["mid"], p["mlp_in"] = add_rms_norm(x, p["attn_out"], block.mlp_norm, eps)
-    gate_up = linear(p["mlp_in"], block.w_gate_up)
+    _, p["attn_in"] = add_rms_norm(x, None, block.attn_norm, eps, compiled)
+    p["attn_out"] = block.attention(p["attn_in"], cos, sin, layer, kv, compiled)  # (B, T, C): what attention adds
+    p["mid"], p["mlp_in"] = add_rms_norm(x, p["attn_out"], block.mlp_norm, eps, compiled)
+    gate_up = linear(p["mlp_in"], block.w_gate_up, compiled)
     p["gate"], p["up"] = gate_up.chunk(2, dim=-1)  # (B, T, I) each
-    p["act"] = silu_mul(gate_up)  # SwiGLU: silu(gate) * up
-    p["mlp_out"] = block.mlp(p["mlp_in"])  # (B, T, C): what the MLP adds
+    p["act"] = silu_mul(gate_up, compiled)  # SwiGLU: silu(gate) * up
+    p["mlp_out"] = block.mlp(p["mlp_in"], compiled)  # (B, T, C): what the MLP adds
     p["out"] = p["mid"] + p["mlp_out"]
     return p
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ModelConfig
+from ..config import ModelConfig, kv_bytes_per_token
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 """Bytes per element of the dtypes a KV cache is commonly kept in."""
@@ -77,17 +77,6 @@ def dtype_bytes(dtype: int | str | object) -> int:
     if n <= 0:
         raise ValueError(f"dtype bytes must be positive, got {n}")
     return n
-
-
-def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes: what one more token of context costs.
-
-    Grouped-query attention is why n_kv_heads and not n_heads appears here: SmolLM2's 9 query
-    heads share 3 KV heads, so its cache is a third of what full multi-head attention would keep.
-    """
-    if dtype_bytes <= 0:
-        raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
-    return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, batch: int = 1, dtype_bytes: int = 4) -> int:

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve.attention.causal import causal_attention
 from nanoserve.attention.online import (
     SoftmaxState,
     block_state,
@@ -16,7 +17,6 @@ from nanoserve.attention.online import (
     online_attention,
     online_states,
 )
-from nanoserve.attention.reference import prefix_attention
 
 
 def case(T, S, H, K, D, seed=0, spread=1.0):
@@ -38,7 +38,7 @@ def test_online_equals_the_full_softmax_to_fp32_rounding(T, extra, K, rep, D, bl
 def test_full_attention_is_the_engines_attention():
     """The reference the online form is pinned to is the one every other path is pinned to (SDPA)."""
     q, k, v = case(5, 37, 9, 3, 64)
-    sdpa = prefix_attention(q[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 37 - 5)[0]
+    sdpa = causal_attention(q[None], k[None], v[None], 37 - 5)[0]
     torch.testing.assert_close(full_attention(q, k, v).reshape(5, -1), sdpa, atol=1e-6, rtol=1e-5)
 
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.attention import Chunk, prepare
-from nanoserve.attention.reference import gather_blocks, prefix_attention
+from nanoserve.attention.causal import causal_attention
+from nanoserve.attention.reference import gather_blocks
 from nanoserve.attention.torch_ops import KEY_MULTIPLE, decode_attention, decode_layout, key_bias, value_bags
 
 
@@ -36,15 +37,15 @@ def test_decode_attention_reads_only_keys_in_context():
 
 
 @pytest.mark.parametrize("n", [1, 7, 40])
-def test_decode_attention_without_a_bias_equals_prefix_attention(n):
-    """Every key in context (the contiguous cache's read): no bias, against the general prefix attention."""
+def test_decode_attention_without_a_bias_equals_causal_attention(n):
+    """Every key in context (the contiguous cache's read): no bias, against causal attention."""
     g = torch.Generator().manual_seed(n)
     H, K, D, max_len = 6, 2, 8, 48
     keys, values = torch.randn(2, 1, K, max_len, D, generator=g)  # a layer's storage, (1, K, S, D) each
     q = torch.randn(1, 1, H, D, generator=g)
     rows = (torch.arange(K)[:, None] * max_len + torch.arange(n))[None]  # (1, K, n): kv head g's row l
     got = decode_attention(q, keys[:, :, :n], values.reshape(-1, D), value_bags(rows, H // K))
-    expected = prefix_attention(q, keys[:, :, :n], values[:, :, :n], start=n - 1)
+    expected = causal_attention(q, keys[:, :, :n].transpose(1, 2), values[:, :, :n].transpose(1, 2), start=n - 1)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
 
 

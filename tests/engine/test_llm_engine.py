@@ -1,6 +1,7 @@
 """The engine on a tiny model: every request ends exactly once with its reason, no block leaks,
 greedy requests get the tokens of their solo run whatever shares their steps, seeded ones the same
-samples, and bad input is refused while the others keep going."""
+samples, n samples fork from one prefill, speculative drafts change no token, and bad input (or a
+row that cannot be sampled) fails that request alone while the others keep going."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine import LLMEngine, NoCacheSession, RequestStatus, SchedulerConfig
-from nanoserve.generate import greedy_ids
+from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from nanoserve.engine import LLMEngine, RequestStatus
 from nanoserve.kv import RequestTooLarge
 from nanoserve.sampling import SamplingParams
+from nanoserve.stages import NoCacheSession, greedy_session_ids
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -36,7 +38,8 @@ def drain(engine: LLMEngine, max_steps: int = 10_000, on_step=None, min_steps: i
 
 
 def solo(model, prompt, n):
-    return greedy_ids(model, prompt, n, NoCacheSession(model))
+    """Day 08's stage: the whole sequence recomputed every step, the plainest road to the same tokens."""
+    return greedy_session_ids(model, NoCacheSession(model), prompt, n)
 
 
 def test_one_request_gives_its_solo_tokens_and_gives_its_blocks_back(tiny_model):
@@ -78,9 +81,9 @@ def test_abort_frees_the_blocks_at_once_and_the_others_go_on(tiny_model):
     b = engine.add_request([7, 8, 9], SamplingParams(max_tokens=6, **GREEDY))
     early = [o for _ in range(2) for o in engine.step()]
     assert [o.request_id for o in early] == [a, b, a, b]
-    held = engine.cache.pool.num_used
+    held = engine.manager.pool.num_used
     engine.abort(a)
-    assert engine.cache.pool.num_used < held and engine.requests[a].finish_reason.value == "abort"
+    assert engine.manager.pool.num_used < held and engine.requests[a].finish_reason.value == "abort"
     engine.abort(a)  # a second abort of a finished request does nothing
     out = drain(engine)
     assert a not in out and [o.new_token_ids[0] for o in early if o.request_id == b] + out[b] == \
@@ -116,7 +119,7 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(tiny_model):
 
 
 def test_without_chunking_a_request_must_fit_one_step(tiny_model):
-    engine = LLMEngine(tiny_model, config=SchedulerConfig(max_num_batched_tokens=16, chunked_prefill=False))
+    engine = LLMEngine(tiny_model, max_num_batched_tokens=16, enable_chunked_prefill=False)
     with pytest.raises(RequestTooLarge, match="max_num_batched_tokens=16"):
         engine.add_request([5] * 10, SamplingParams(max_tokens=8))
 
@@ -163,8 +166,9 @@ def test_property_random_workloads(tiny_model, workload):
     """Arrivals, aborts, tiny pools (preemption), small budgets (chunking), shared prefixes: every request ends
     once with the right reason, the pool is whole again, and greedy tokens are each request's solo run's."""
     block_size, num_blocks, config, prefix_caching, reqs = workload
-    engine = LLMEngine(tiny_model, config=config, num_blocks=num_blocks, block_size=block_size,
-                       prefix_caching=prefix_caching)
+    engine = LLMEngine(tiny_model, config=EngineConfig.from_kwargs(
+        num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=prefix_caching,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
     ids: dict[int, str] = {}
 
     def on_step(step):
@@ -173,7 +177,7 @@ def test_property_random_workloads(tiny_model, workload):
                 ids[i] = engine.add_request(r["prompt"], SamplingParams(max_tokens=r["max_tokens"], **GREEDY))
             if r["abort"] == step and i in ids:
                 engine.abort(ids[i])
-        engine.cache.pool.check()
+        engine.manager.pool.check()
 
     out = drain(engine, on_step=on_step, min_steps=7)  # everyone arrives, even into an idle engine
     for i, r in enumerate(reqs):
@@ -186,4 +190,106 @@ def test_property_random_workloads(tiny_model, workload):
             assert got == ref[:len(got)] and len(got) < r["max_tokens"]
         else:
             assert req.finish_reason.value == "length" and got == ref
+    engine.check_idle()
+
+
+# ---- n samples, speculative decoding, a bad row, bounded memory --------------------------------------
+
+
+def test_n_samples_fork_from_one_prefill_and_each_equals_its_seeded_solo_run(tiny_model):
+    """A request of n samples computes its prompt once; sample i then equals a request alone seeded seed + i,
+    and the partly filled last block of the prompt is copied on the samples' first writes, never shared."""
+    prompt = list(range(3, 17))  # 14 tokens: three blocks of 4 and a half-filled fourth
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=6, ignore_eos=True)
+    engine = LLMEngine(tiny_model, num_blocks=32, block_size=4, enable_prefix_caching=False)
+    rid = engine.add_request(prompt, SamplingParams(**{**vars(params), "n": 3}))
+    samples: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            samples.setdefault(out.index, []).extend(out.new_token_ids)
+    assert engine.history[0].num_prefill_tokens == len(prompt)  # the prompt, once
+    assert sum(r.num_prefill_tokens for r in engine.history) == len(prompt)
+    assert engine.history[1].num_requests == 3
+    for i in range(3):
+        alone = LLMEngine(tiny_model, num_blocks=32, block_size=4)
+        one = alone.add_request(prompt, SamplingParams(**{**vars(params), "seed": 11 + i}))
+        assert samples[i] == drain(alone)[one], i
+    assert len({tuple(t) for t in samples.values()}) > 1  # seeds differ: so do the samples
+    engine.check_idle()
+
+
+def test_n_samples_wait_for_seats_and_are_aborted_together(tiny_model):
+    engine = LLMEngine(tiny_model, num_blocks=32, block_size=4, max_num_seqs=3)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    b = engine.add_request([8, 9], SamplingParams(temperature=1.0, seed=0, n=3, max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert len(engine.scheduler.running) == 1  # b's three samples need three seats: they wait for a
+    with pytest.raises(ValueError, match="n=4"):
+        engine.add_request([1], SamplingParams(n=4))
+    while engine.requests[a].status is not RequestStatus.FINISHED:
+        engine.step()
+    engine.step()
+    engine.step()
+    assert len(engine.scheduler.running) == 3
+    engine.abort(b)
+    assert all(s.finish_reason.value == "abort" for s in engine.sequences(b)) and len(engine.sequences(b)) == 3
+    engine.check_idle()
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_speculative_drafts_change_no_greedy_token(tiny_model, k):
+    """Prompt-lookup drafts verified in the same step as other requests' tokens: every greedy request gets
+    plain greedy's tokens, sampled ones their seeded samples, some drafts are accepted, and the rejected
+    drafts' blocks all come back."""
+    loop = [40, 41, 42, 43, 44, 45] * 4  # a prompt that repeats itself: its greedy output tends to copy it
+    prompts = [loop, [7, 8, 9, 7, 8, 9, 7, 8], list(range(50, 90))]
+    plain = LLMEngine(tiny_model, num_blocks=64, block_size=4)
+    spec = LLMEngine(tiny_model, num_blocks=64, block_size=4, max_num_batched_tokens=24,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1})
+    got = []
+    for engine in (plain, spec):
+        ids = [engine.add_request(p, SamplingParams(max_tokens=30, **GREEDY)) for p in prompts]
+        ids.append(engine.add_request([3, 4, 5], SamplingParams(temperature=0.9, seed=5, max_tokens=12)))
+        out = drain(engine)
+        got.append([out[i] for i in ids])
+        engine.check_idle()
+    assert got[0] == got[1]
+    drafted = sum(r.num_draft_tokens for r in spec.history)
+    accepted = sum(r.num_accepted_tokens for r in spec.history)
+    assert drafted > 0 and 0 < accepted <= drafted
+    assert len(spec.history) < len(plain.history)  # accepted drafts save steps
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_request_alone(tiny_model, monkeypatch):
+    """NaN logits in one sampled row end that request with finish_reason "error"; the request beside it
+    gets its solo tokens and every block comes back."""
+    engine = LLMEngine(tiny_model, num_blocks=32, block_size=4)
+    ok = engine.add_request([5, 6, 7], SamplingParams(max_tokens=6, **GREEDY))
+    bad = engine.add_request([8, 9], SamplingParams(temperature=1.0, seed=0, max_tokens=6))
+    real = engine.runner.execute
+
+    def poisoned(chunks, copies=(), num_logits=None):
+        logits = real(chunks, copies, num_logits)
+        logits[-1] = float("nan")  # the sampled request is last in every step
+        return logits
+
+    monkeypatch.setattr(engine.runner, "execute", poisoned)
+    outs = engine.step()  # both prompts in one step: the sampled request's row is NaN
+    failed = [o for o in outs if o.request_id == bad]
+    assert len(failed) == 1 and failed[0].finish_reason == "error" and "could not be sampled" in failed[0].error
+    monkeypatch.setattr(engine.runner, "execute", real)
+    rest = drain(engine)
+    assert [t for o in outs if o.request_id == ok for t in o.new_token_ids] + rest[ok] == solo(tiny_model, [5, 6, 7], 6)
+    engine.check_idle()
+
+
+def test_history_and_finished_requests_are_bounded(tiny_model):
+    """A long-running engine keeps the last history_kept steps and finished_kept finished requests, no more."""
+    engine = LLMEngine(tiny_model, config=EngineConfig(CacheConfig(4, num_blocks=16), SchedulerConfig(max_num_seqs=1),
+                                                       history_kept=5, finished_kept=3))
+    ids = [engine.add_request([5 + i, 6], SamplingParams(max_tokens=2, **GREEDY)) for i in range(8)]
+    drain(engine)
+    assert len(engine.history) == 5 and engine.history[-1].step == engine.steps - 1
+    assert sorted(engine.requests) == sorted(ids[-3:])
     engine.check_idle()

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 
 from nanoserve.attention import Chunk, PagedAttention, prepare
 from nanoserve.engine import ModelRunner
-from nanoserve.kv import PagedKVCache
+from nanoserve.engine.model_runner import logit_rows
+from nanoserve.kv import BlockManager, KVStorage
+from nanoserve.model.matmul import forward_rows
 
 KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> ModelRunner's kernels=
 
@@ -18,28 +20,32 @@ def ids_of(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def pool(model, num_blocks: int, block_size: int, kernels=None, **kw) -> tuple[BlockManager, ModelRunner]:
+    """A paged pool as the engine splits it: the bookkeeping (a block manager) and a runner owning the tensors."""
+    storage = KVStorage(model.cfg, num_blocks, block_size)
+    return BlockManager(num_blocks, block_size), ModelRunner(model, storage, kernels, **kw)
+
+
 def test_runner_roads(tiny_model, road):
-    cache = PagedKVCache(tiny_model.cfg, 4, 4)
-    runner = ModelRunner(tiny_model, cache, KERNELS[road])
+    manager, runner = pool(tiny_model, 4, 4, KERNELS[road])
     assert (runner.kernels, runner.attention) == ((True, "compiled") if road == "compiled" else (False, "torch"))
-    assert ModelRunner(tiny_model, cache, KERNELS[road], attention="reference").attention == "reference"
+    assert ModelRunner(tiny_model, runner.storage, KERNELS[road], attention="reference").attention == "reference"
 
 
 def test_a_mixed_step_gives_each_request_its_own_sequences_logits(tiny_model, road):
     """A prompt, a chunk after cached context and a decode token in one step: each request's logits are
     those of the model's no-cache forward over its whole sequence, to fp32 rounding."""
-    cache = PagedKVCache(tiny_model.cfg, num_blocks=32, block_size=4)
-    runner = ModelRunner(tiny_model, cache, KERNELS[road])
+    manager, runner = pool(tiny_model, 32, 4, KERNELS[road])
     seqs = [ids_of(9, 1), ids_of(14, 2), ids_of(6, 3)]
     cached = [0, 8, 5]  # request 0 is a whole prompt, 1 a chunk of 6 after 8, 2 one decode token after 5
-    tables = [cache.new_table() for _ in seqs]
+    tables = [manager.new_table() for _ in seqs]
     for t, s, c in zip(tables, seqs, cached):
         if c:
-            cache.append(t, s[:c])
+            manager.append_slots(t, s[:c])
             runner.execute([Chunk(s[:c], 0, t.blocks)])
     chunks = []
     for t, s, c in zip(tables, seqs, cached):
-        cache.append(t, s[c:])
+        manager.append_slots(t, s[c:])
         chunks.append(Chunk(s[c:], c, t.blocks))
     logits = runner.execute(chunks)
     assert logits.shape == (3, tiny_model.cfg.vocab_size) and logits.dtype == torch.float32
@@ -49,20 +55,62 @@ def test_a_mixed_step_gives_each_request_its_own_sequences_logits(tiny_model, ro
             torch.testing.assert_close(logits[r], want, atol=2e-5, rtol=0)
 
 
+def test_num_logits_reads_the_last_rows_of_each_request(tiny_model, road):
+    """Speculative verification reads several rows of one request, none of a prompt's middle chunk: each row
+    is that position's logits (the whole sequence's forward there), and one row per request is the default."""
+    manager, runner = pool(tiny_model, 32, 4, KERNELS[road])
+    a, b, c = ids_of(7, 5), ids_of(10, 6), ids_of(5, 7)
+    tables = [manager.new_table() for _ in range(3)]
+    manager.append_slots(tables[1], b[:6])
+    runner.execute([Chunk(b[:6], 0, tables[1].blocks)])
+    chunks = []
+    for t, ids, start in zip(tables, (a, b[6:], c), (0, 6, 0)):
+        manager.append_slots(t, ids)
+        chunks.append(Chunk(ids, start, t.blocks))
+    logits = runner.execute(chunks, num_logits=[0, 3, 1])  # none of a, the last 3 of b, the last of c
+    assert logits.shape == (4, tiny_model.cfg.vocab_size)
+    with torch.inference_mode():
+        every_b = tiny_model(torch.tensor([b]))[0]
+        torch.testing.assert_close(logits[:3], every_b[-3:], atol=2e-5, rtol=0)
+        torch.testing.assert_close(logits[3], tiny_model(torch.tensor([c]), last_only=True)[0], atol=2e-5, rtol=0)
+    assert logit_rows(torch.tensor([0, 7, 11, 16]), [0, 3, 1]).tolist() == [8, 9, 10, 15]
+    assert runner.execute([Chunk([1], 7, tables[0].blocks)], manager.append_slots(tables[0], [1])[1],
+                          num_logits=[0]).shape == (0, tiny_model.cfg.vocab_size)
+
+
+def test_the_runner_makes_the_block_copies_before_the_forward(tiny_model):
+    """A fork's first write into a shared, partly filled block: the manager says copy it, the runner does,
+    before the forward writes the new token, so the parent's keys are untouched and the child's complete."""
+    manager, runner = pool(tiny_model, 8, 4)
+    parent = manager.new_table()
+    ids = ids_of(6, 8)
+    manager.append_slots(parent, ids)
+    runner.execute([Chunk(ids, 0, parent.blocks)])
+    child = manager.fork(parent)
+    before = runner.storage.k[:, parent.blocks[1]].clone()
+    _, copies = manager.append_slots(child, [9])
+    assert copies == [(parent.blocks[1], child.blocks[1])]
+    with torch.inference_mode():
+        got = runner.execute([Chunk([9], 6, child.blocks)], copies)[0]
+        want = tiny_model(torch.tensor([ids + [9]]), last_only=True)[0]
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    assert torch.equal(runner.storage.k[:, parent.blocks[1]], before)
+
+
 def test_padding_rows_stay_finite_and_write_nowhere(tiny_model, road):
-    cache = PagedKVCache(tiny_model.cfg, num_blocks=8, block_size=4)
-    tables = [cache.new_table() for _ in range(3)]
+    manager, runner = pool(tiny_model, 8, 4, KERNELS[road])
+    tables = [manager.new_table() for _ in range(3)]
     chunks = []
     for t, n in zip(tables, (3, 1, 5)):
-        cache.append(t, ids_of(n, n))
+        manager.append_slots(t, ids_of(n, n))
         chunks.append(Chunk(t.token_ids, 0, t.blocks))
-    ids, md = prepare(chunks, 4)
+    ids, md = prepare(chunks, 4, forward_rows(9))
     assert ids.numel() == 12 and md.num_tokens == 9  # three padding rows
-    backend = PagedAttention(cache.storage, md, ModelRunner(tiny_model, cache, KERNELS[road]).attention)
+    backend = PagedAttention(runner.storage, md, runner.attention)
     with torch.inference_mode():
-        h = tiny_model.hidden_states(ids[None], md.positions[None], backend)[0]
+        h = tiny_model.hidden_states(ids[None], md.positions[None], backend, compiled=runner.kernels)[0]
     assert torch.isfinite(h).all()
-    written = (cache.k.abs().sum((0, 3, 4)) != 0).view(-1)  # slots written, any layer
+    written = (runner.storage.k.abs().sum((0, 3, 4)) != 0).view(-1)  # slots written, any layer
     assert written.nonzero().view(-1).tolist() == sorted(md.slot_mapping.tolist())
 
 
@@ -80,31 +128,30 @@ class Composition:
 
     def __init__(self, model, kernels, block_size, target_ids, target_ctx):
         self.model, self.bs = model, block_size
-        self.cache = PagedKVCache(model.cfg, 200, block_size)
-        self.runner = ModelRunner(model, self.cache, kernels)
+        self.manager, self.runner = pool(model, 200, block_size, kernels)
         self.target_ids, self.target_ctx = target_ids, target_ctx
-        self.context = self.cache.new_table()
+        self.context = self.manager.new_table()
         if target_ctx:
-            self.cache.append(self.context, target_ids[:target_ctx])
+            self.manager.append_slots(self.context, target_ids[:target_ctx])
             self.runner.execute([Chunk(target_ids[:target_ctx], 0, self.context.blocks)])
 
     def target_logits(self, others, where, seed):
-        tables, chunks = [], []
+        tables, chunks, copies = [], [], []
         for i, (ctx, n) in enumerate(others):
             ids = ids_of(ctx + n, seed + i)
-            t = self.cache.new_table()
+            t = self.manager.new_table()
             if ctx:
-                self.cache.append(t, ids[:ctx])
+                self.manager.append_slots(t, ids[:ctx])
                 self.runner.execute([Chunk(ids[:ctx], 0, t.blocks)])
-            self.cache.append(t, ids[ctx:])
+            self.manager.append_slots(t, ids[ctx:])
             tables.append(t)
             chunks.append(Chunk(ids[ctx:], ctx, t.blocks))
-        mine = self.cache.fork(self.context)
-        self.cache.append(mine, self.target_ids[self.target_ctx:])
+        mine = self.manager.fork(self.context)
+        copies += self.manager.append_slots(mine, self.target_ids[self.target_ctx:])[1]
         chunks.insert(where, Chunk(self.target_ids[self.target_ctx:], self.target_ctx, mine.blocks))
-        logits = self.runner.execute(chunks)[where]
+        logits = self.runner.execute(chunks, copies)[where]
         for t in (*tables, mine):
-            self.cache.free(t)
+            self.manager.free(t)
         return logits
 
 
@@ -122,9 +169,9 @@ def test_a_requests_logits_are_bit_identical_whatever_else_is_in_the_step(tiny_m
     a = run.target_logits(others[0], min(where[0], len(others[0])), seed + 100)
     b = run.target_logits(others[1], min(where[1], len(others[1])), seed + 200)
     assert torch.equal(a, b)
-    run.cache.free(run.context)
-    run.cache.pool.check()
-    assert run.cache.pool.num_used == 0
+    run.manager.free(run.context)
+    run.manager.pool.check()
+    assert run.manager.pool.num_used == 0
 
 
 

@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from nanoserve import kernels
-from nanoserve.engine import ModelRunner, StaticBatch, greedy_generate_batch
-from nanoserve.kv import PagedKVCache
+from nanoserve.engine import ModelRunner
+from nanoserve.kv import KVStorage
 from nanoserve.model import apply_rope, rms_norm
 from nanoserve.model import ops as model_ops
+from nanoserve.stages import StaticBatch, greedy_generate_batch
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
@@ -22,7 +23,7 @@ HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 def test_the_kernels_build_where_there_is_a_compiler():
     """Where the engine could have them, it must: a broken build would silently cost every step its speed."""
     assert kernels.load() is not None, kernels.unavailable_reason()
-    assert kernels.unavailable_reason() is None and kernels.enabled()
+    assert kernels.unavailable_reason() is None and kernels.available()
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -165,8 +166,8 @@ def test_the_kernels_are_seen_by_torch_function_modes(compiled):
             return func(*args, **(kwargs or {}))
 
     with torch.inference_mode(), Watch():
-        model_ops.add_rms_norm(torch.ones(2, 8), None, torch.ones(8), 1e-5)
-        model_ops.silu_mul(torch.ones(2, 8))
+        model_ops.add_rms_norm(torch.ones(2, 8), None, torch.ones(8), 1e-5, compiled=True)
+        model_ops.silu_mul(torch.ones(2, 8), compiled=True)
     assert "add_rms_norm" in seen and "silu_mul" in seen
 
 
@@ -184,16 +185,16 @@ def test_without_the_kernels_the_engine_runs_on_torch_ops(tiny_model, monkeypatc
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
         assert kernels.load() is None
-        assert not kernels.enabled() and kernels.describe() == "torch ops (OSError: no compiler found)"
+        assert not kernels.available() and kernels.describe() == "torch ops (OSError: no compiler found)"
         out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=4)
     monkeypatch.setattr(kernels, "_state", {"reason": "x"})  # still unavailable, compare with the torch path
     assert out == greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=4, kernels=False)
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
         StaticBatch(tiny_model, PROMPTS, [1] * len(PROMPTS), kernels=True)
-    cache = PagedKVCache(tiny_model.cfg, 4, 4)
-    assert ModelRunner(tiny_model, cache).attention == "torch"
+    storage = KVStorage(tiny_model.cfg, 4, 4)
+    assert ModelRunner(tiny_model, storage).attention == "torch"
     with pytest.raises(ValueError, match="attention='compiled' needs the compiled kernels on"):
-        ModelRunner(tiny_model, cache, attention="compiled")
+        ModelRunner(tiny_model, storage, attention="compiled")
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
         kernels.silu_mul(torch.ones(2, 4))
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
@@ -288,14 +289,15 @@ def ragged_case(lens, T, bs, H=6, K=2, D=32, seed=0, spare=3):
 
 def gathered(case):
     """The reference read (Day 18): each request's blocks gathered into a copy, then SDPA over it."""
-    from nanoserve.attention.reference import gather_blocks, prefix_attention
+    from nanoserve.attention.causal import causal_attention
+    from nanoserve.attention.reference import gather_blocks
 
     q, qsl = case["q"], case["query_start_loc"].tolist()
     out = []
     for r, n in enumerate(case["seq_lens"].tolist()):
         s, e = qsl[r], qsl[r + 1]
         kc, vc = gather_blocks(case["k_pool"], case["v_pool"], case["block_tables"][r], n)
-        out.append(prefix_attention(q[None, s:e], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None], n - (e - s))[0])
+        out.append(causal_attention(q[None, s:e], kc[None], vc[None])[0])
     return torch.cat(out)
 
 

@@ -115,13 +115,12 @@ def test_bad_inputs_are_refused_with_the_reason(block_ext):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_torch_road_is_the_same_weights(block_ext, fmt):
-    """Inside kernels.torch_ops() (and where nothing compiled), the product runs on dequantize's matrix."""
+    """With compiled=False (and where nothing compiled), the product runs on dequantize's matrix."""
     blocks, _ = blocks_for(40, 320, fmt, seed=7)
     x = torch.randn(6, 320, generator=torch.Generator().manual_seed(8))
     with torch.inference_mode():
         on = quant.block_linear(x, blocks, fmt)
-        with kernels.torch_ops():
-            off = quant.block_linear(x, blocks, fmt)
+        off = quant.block_linear(x, blocks, fmt, compiled=False)
     torch.testing.assert_close(off, on, atol=1e-5, rtol=1e-5)
 
 
@@ -149,5 +148,5 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch):
             again = quant.block_linear(x, blocks, "q8_0")
     assert torch.equal(out, again) and "command not found" in quant.unavailable_reason()
     torch.testing.assert_close(out, x @ quant.dequantize(blocks, "q8_0").T)
-    assert not quant.compiled() and quant.describe().startswith("dequantized copies (RuntimeError")
+    assert not kernels.available() and quant.describe().startswith("dequantized copies (RuntimeError")
     assert saved.get("module") is not kernels._state.get("module")

@@ -3,8 +3,6 @@ roads of its small ops, and the real checkpoint against transformers' fp64 forwa
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +10,9 @@ import transformers
 from prompts import PROMPTS, prompt_ids
 
 from nanoserve import kernels
+from nanoserve.attention.causal import no_cache_backend
 from nanoserve.config import ModelConfig
-from nanoserve.model import Llama, apply_rope, causal_attention, linear, no_cache_backend, rms_norm, rope_cos_sin
+from nanoserve.model import Llama, apply_rope, linear, rms_norm, rope_cos_sin
 from nanoserve.model.matmul import forward_rows
 from nanoserve.model.weights import load_model, save_checkpoint
 
@@ -21,11 +20,6 @@ from nanoserve.model.weights import load_model, save_checkpoint
 def _hf_from(model: Llama, folder):
     save_checkpoint(model, folder)
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
-def on_road(road: str):
-    """The `road` fixture's name as a context: the default (compiled kernels) or `kernels.torch_ops()`."""
-    return contextlib.nullcontext() if road == "compiled" else kernels.torch_ops()
 
 
 @pytest.mark.parametrize(
@@ -45,8 +39,8 @@ def test_tiny_logits_match_transformers(tmp_path, overrides, road):
     ours = Llama.random(cfg, seed=1)
     ref = _hf_from(ours, tmp_path)
     ids = torch.randint(0, cfg.vocab_size, (2, 150), generator=torch.Generator().manual_seed(0))
-    with torch.inference_mode(), on_road(road):
-        a, b = ours(ids), ref(ids).logits
+    with torch.inference_mode():
+        a, b = ours(ids, compiled=road == "compiled"), ref(ids).logits
     assert (a - b).abs().max().item() < 1e-4
 
 
@@ -55,23 +49,6 @@ def test_save_load_round_trip(tmp_path, tiny_model):
     again = load_model(tmp_path)
     for (n1, p1), (n2, p2) in zip(tiny_model.named_parameters(), again.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2)
-
-
-def test_padding_mask_keeps_real_rows_exact(tiny_cfg):
-    """A padded key must change nothing for the real queries; an all-padding row stays finite."""
-    cfg = tiny_cfg
-    g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 5, cfg.n_heads, cfg.head_dim, generator=g)
-    k = torch.randn(2, 5, cfg.n_kv_heads, cfg.head_dim, generator=g)
-    v = torch.randn(2, 5, cfg.n_kv_heads, cfg.head_dim, generator=g)
-    mask = torch.tensor([[True] * 5, [False] * 5])
-    out = causal_attention(q, k, v, mask)
-    assert torch.isfinite(out).all()
-    assert torch.allclose(out[0], causal_attention(q[:1], k[:1], v[:1])[0], atol=1e-6)
-    half = torch.tensor([[True] * 3 + [False] * 2])
-    k2, v2 = k[:1].clone(), v[:1].clone()
-    k2[:, 3:], v2[:, 3:] = 1e4, 1e4  # whatever sits in the padding keys is never read by the real queries
-    assert torch.equal(causal_attention(q[:1], k2, v2, half)[:, :3], causal_attention(q[:1], k[:1], v[:1], half)[:, :3])
 
 
 def test_bf16_runs_and_tracks_fp32(tiny_model):
@@ -152,9 +129,10 @@ def block_inputs(model: Llama, B: int = 2, T: int = 9, seed: int = 3):
 def test_block_forward_on_torch_ops_is_the_old_formulation_bit_for_bit(tiny_model, B, T):
     x, cos, sin = block_inputs(tiny_model, B, T)
     kv = no_cache_backend()
-    with torch.inference_mode(), kernels.torch_ops():
+    with torch.inference_mode():
         for i, block in enumerate(tiny_model.layers):
-            assert torch.equal(block(x, cos, sin, i, kv), old_block_forward(block, x, cos, sin, i, kv)), i
+            fast = block(x, cos, sin, i, kv, compiled=False)
+            assert torch.equal(fast, old_block_forward(block, x, cos, sin, i, kv)), i
 
 
 # A layer on the compiled glue against the same layer on torch's ops: the same products, the small ops
@@ -168,15 +146,14 @@ def test_block_forward_on_the_kernels_is_the_old_formulation_to_fp32_rounding(ti
     kv = no_cache_backend()
     with torch.inference_mode():
         for i, block in enumerate(tiny_model.layers):
-            fast = block(x, cos, sin, i, kv)
-            with kernels.torch_ops():
-                ref = old_block_forward(block, x, cos, sin, i, kv)
+            fast = block(x, cos, sin, i, kv, compiled=True)
+            ref = old_block_forward(block, x, cos, sin, i, kv)
             err = (fast - ref).abs().max().item()
             assert err < BLOCK_KERNEL_TOL, f"layer {i}: {err:.2e}"
 
 
-def test_torch_ops_really_turns_the_kernels_off(tiny_model, compiled, monkeypatch):
-    """Inside `kernels.torch_ops()` no kernel is called, on the model's path or the attention's; outside it they are."""
+def test_compiled_false_really_turns_the_kernels_off(tiny_model, compiled, monkeypatch):
+    """With compiled=False no kernel is called; with compiled=True (or None, where they are built) they are."""
     calls = []
 
     def spy(name):
@@ -192,26 +169,13 @@ def test_torch_ops_really_turns_the_kernels_off(tiny_model, compiled, monkeypatc
         monkeypatch.setattr(kernels, name, spy(name))
     ids = torch.tensor([[5, 9, 200, 3]])
     with torch.inference_mode():
-        with kernels.torch_ops():
-            assert not kernels.enabled()
-            off = tiny_model(ids)
+        off = tiny_model(ids, compiled=False)
         assert calls == []
-        assert kernels.enabled()
-        on = tiny_model(ids)
-    assert {"add_rms_norm", "rope_", "silu_mul"} <= set(calls)
+        on = tiny_model(ids, compiled=True)
+        assert {"add_rms_norm", "rope_", "silu_mul"} <= set(calls)
+        calls.clear()
+        assert torch.equal(tiny_model(ids), on) and calls  # None: the kernels, where they are built
     torch.testing.assert_close(on, off, atol=1e-4, rtol=0)
-
-
-def test_torch_ops_is_scoped_and_nests(compiled):
-    assert kernels.enabled()
-    with kernels.torch_ops():
-        with kernels.torch_ops():
-            assert not kernels.enabled()
-        assert not kernels.enabled()
-    assert kernels.enabled()
-    with pytest.raises(RuntimeError), kernels.torch_ops():
-        raise RuntimeError("an error inside the block")
-    assert kernels.enabled()  # restored on the way out
 
 
 def test_gradients_take_the_torch_road(tiny_cfg, compiled):
@@ -246,9 +210,9 @@ def test_real_logits_match_the_fp64_reference(model, tok, fp64_logits, fp64_tol,
     last_tol, any_tol = fp64_tol
     ids = prompt_ids(tok, name)
     exact = fp64_logits(ids)  # (T, V)
-    with torch.inference_mode(), on_road(road):
-        every = model(torch.tensor([ids]))[0].double()  # (T, V): the head on every row
-        last = model(torch.tensor([ids]), last_only=True)[0].double()  # (V,): the head on one row
+    with torch.inference_mode():
+        every = model(torch.tensor([ids]), compiled=road == "compiled")[0].double()  # (T, V): the head on every row
+        last = model(torch.tensor([ids]), last_only=True, compiled=road == "compiled")[0].double()  # (V,): one row
     assert (last - exact[-1]).abs().max().item() < last_tol
     assert (every[-1] - exact[-1]).abs().max().item() < last_tol
     assert (every - exact).abs().max().item() < any_tol

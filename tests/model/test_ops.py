@@ -1,5 +1,5 @@
 """The layer's small operations: their torch definitions, and the step forms that dispatch to the compiled
-kernels where `kernels.enabled()` and the tensors fit, and to exactly those definitions otherwise."""
+kernels when asked (`compiled=True`) and the tensors fit, and to exactly those definitions otherwise."""
 
 from __future__ import annotations
 
@@ -54,33 +54,33 @@ def step_inputs(seed=2, B=2, T=5, H=4, K=2, D=16, inter=24):
 def test_on_torch_ops_the_step_forms_are_exactly_the_definitions():
     x, r, w, qkv, cos, sin, gate_up = step_inputs()
     H, K = 4, 2
-    with torch.inference_mode(), kernels.torch_ops():
-        s, h = add_rms_norm(x, r, w, 1e-5)
+    with torch.inference_mode():
+        s, h = add_rms_norm(x, r, w, 1e-5, compiled=False)
         assert torch.equal(s, x + r) and torch.equal(h, rms_norm(x + r, w, 1e-5))
-        s, h = add_rms_norm(x, None, w, 1e-5)
+        s, h = add_rms_norm(x, None, w, 1e-5, compiled=False)
         assert s is x and torch.equal(h, rms_norm(x, w, 1e-5))
-        q, k, v = rope_qk(qkv.clone(), cos, sin, H, K)
+        q, k, v = rope_qk(qkv.clone(), cos, sin, H, K, compiled=False)
         qk = apply_rope(qkv[:, :, : H + K], cos, sin)
         assert torch.equal(q, qk[:, :, :H]) and torch.equal(k, qk[:, :, H:]) and torch.equal(v, qkv[:, :, H + K:])
         gate, up = gate_up.chunk(2, dim=-1)
-        assert torch.equal(silu_mul(gate_up), F.silu(gate) * up)
+        assert torch.equal(silu_mul(gate_up, compiled=False), F.silu(gate) * up)
 
 
 def test_on_the_kernels_the_step_forms_agree_to_fp32_rounding(compiled):
     x, r, w, qkv, cos, sin, gate_up = step_inputs()
     H, K = 4, 2
     with torch.inference_mode():
-        s, h = add_rms_norm(x, r, w, 1e-5)
+        s, h = add_rms_norm(x, r, w, 1e-5, compiled=True)
         assert torch.equal(s, x + r)  # one fp32 add: exact
         torch.testing.assert_close(h, rms_norm(x + r, w, 1e-5), atol=2e-6, rtol=2e-6)
         mine = qkv.clone()
-        q, k, v = rope_qk(mine, cos, sin, H, K)
+        q, k, v = rope_qk(mine, cos, sin, H, K, compiled=True)
         assert q.data_ptr() == mine.data_ptr()  # rotated in qkv's own memory
         qk = apply_rope(qkv[:, :, : H + K], cos, sin)
         torch.testing.assert_close(torch.cat([q, k], 2), qk, atol=1e-6, rtol=1e-6)
         assert torch.equal(v, qkv[:, :, H + K:])
         gate, up = gate_up.chunk(2, dim=-1)
-        torch.testing.assert_close(silu_mul(gate_up), F.silu(gate) * up, atol=1e-6, rtol=2e-6)
+        torch.testing.assert_close(silu_mul(gate_up, compiled=True), F.silu(gate) * up, atol=1e-6, rtol=2e-6)
 
 
 def test_the_kernels_take_only_what_fits(compiled, monkeypatch):
@@ -94,11 +94,11 @@ def test_the_kernels_take_only_what_fits(compiled, monkeypatch):
         monkeypatch.setattr(kernels, name, refuse)
     with torch.inference_mode():
         assert not kernels.fits(x.double()) and not kernels.fits(x.transpose(0, 1))
-        add_rms_norm(x.double(), None, w.double(), 1e-5)
-        add_rms_norm(x.transpose(0, 1), None, w, 1e-5)
-        silu_mul(gate_up.bfloat16())
-        rope_qk(qkv, cos.transpose(0, 1).contiguous().transpose(0, 1), sin, 4, 2)  # a strided cos
+        add_rms_norm(x.double(), None, w.double(), 1e-5, compiled=True)
+        add_rms_norm(x.transpose(0, 1), None, w, 1e-5, compiled=True)
+        silu_mul(gate_up.bfloat16(), compiled=True)
+        rope_qk(qkv, cos.transpose(0, 1).contiguous().transpose(0, 1), sin, 4, 2, compiled=True)  # a strided cos
         assert kernels.fits(x)
     with torch.enable_grad():
         assert not kernels.fits(x)  # gradients are on: the kernels have no backward
-        add_rms_norm(x.requires_grad_(), None, w, 1e-5)
+        add_rms_norm(x.requires_grad_(), None, w, 1e-5, compiled=True)

@@ -23,8 +23,8 @@ def test_empty_prompts_are_refused(prompt):
 def test_sampling_params_carry_openai_and_vllm_fields():
     body = CompletionRequest(prompt="x", temperature=0.5, top_p=0.9, top_k=5, min_p=0.1, seed=7, stop="\n",
                              stop_token_ids=[2], ignore_eos=True, n=3)
-    p = body.sampling_params(max_tokens=10, sample=2)
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens) == (0.5, 0.9, 5, 0.1, 9, 10)
+    p = body.sampling_params(max_tokens=10)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.seed, p.max_tokens, p.n) == (0.5, 0.9, 5, 0.1, 7, 10, 3)
     assert p.stop == ["\n"] and p.stop_token_ids == [2] and p.ignore_eos
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams, generate
 from nanoserve.bench.engine import ragged_workload
-from nanoserve.engine import LLMEngine, SchedulerConfig
+from nanoserve.engine import LLMEngine
 from nanoserve.server import AsyncEngine
 from nanoserve.server.app import ServerThread, build_app
 
@@ -24,8 +24,7 @@ NAME = "smollm2-test"
 
 @pytest.fixture(scope="module")
 def server(model, tok):
-    engine = LLMEngine(model, tok, config=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=256),
-                       num_blocks=600)
+    engine = LLMEngine(model, tok, max_num_seqs=32, max_num_batched_tokens=256, num_blocks=600)
     ae = AsyncEngine(engine)
     with ServerThread(build_app(ae, tok, NAME)) as srv:
         yield SimpleNamespace(url=srv.url, engine=ae, client=openai.OpenAI(base_url=srv.url + "/v1", api_key="none",
@@ -200,8 +199,8 @@ def test_32_streaming_clients_some_leaving_lose_nothing_and_leave_the_pool_whole
                                                              ignore_eos=True), tok)
         assert results[i]["ids"] == alone.token_ids
     engine = server.engine.engine
-    assert engine.cache.pool.num_used == 0 and not engine.requests
-    engine.cache.pool.check()
+    assert engine.manager.pool.num_used == 0 and all(r.finished for r in engine.requests.values())
+    engine.check_idle()
     after = httpx.get(server.url + "/metrics").text
     grew = lambda name, **labels: metric(after, name, 0.0, **labels) - metric(before, name, 0.0, **labels)  # noqa: E731
     assert metric(after, "nanoserve:num_requests_running") == 0 == metric(after, "nanoserve:num_requests_waiting")

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 
 import pytest
 import torch
 
-from nanoserve import kernels
+from nanoserve.attention.causal import causal_attention
 from nanoserve.config import CheckpointError
-from nanoserve.model import apply_rope, causal_attention, rms_norm, rope_cos_sin
+from nanoserve.model import apply_rope, rms_norm, rope_cos_sin
 from nanoserve.model.weights import hf_state_dict, save_checkpoint
 from nanoserve.teach.anatomy import (
     AttentionRecorder,
@@ -226,9 +225,9 @@ def test_block_parts_match_block_forward_bit_for_bit(tiny_model, road):
     cos, sin = rope_cos_sin(tiny_model.inv_freq, torch.arange(6).expand(2, 6))
     blk = tiny_model.layers[1]
     kv = lambda i, q, k, v: causal_attention(q, k, v)
-    with torch.inference_mode(), (contextlib.nullcontext() if road == "compiled" else kernels.torch_ops()):
-        parts = block_parts(blk, x, cos, sin, 1, kv)
-        assert torch.equal(parts["out"], blk(x, cos, sin, 1, kv))
+    with torch.inference_mode():
+        parts = block_parts(blk, x, cos, sin, 1, kv, compiled=road == "compiled")
+        assert torch.equal(parts["out"], blk(x, cos, sin, 1, kv, compiled=road == "compiled"))
     assert torch.equal(parts["mid"], x + parts["attn_out"])
     torch.testing.assert_close(parts["out"], x + parts["attn_out"] + parts["mlp_out"])
     gate, up = parts["gate"], parts["up"]

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from nanoserve.cli import main
 from nanoserve.config import ModelConfig
-from nanoserve.kv import KVCache, PagedKVCache
+from nanoserve.kv import KVStorage
 from nanoserve.model import Llama
+from nanoserve.stages import KVCache
 from nanoserve.teach.memory import (
     KNOWN_MODELS,
     CacheCost,
@@ -82,8 +83,8 @@ def test_against_the_cache_tensors():
         cache = KVCache(cfg, max_len=max_len, batch=batch, dtype=dtype)
         held = (cache.k.numel() + cache.v.numel()) * cache.k.element_size()
         assert held == kv_cache_bytes(cfg, max_len, batch, dtype_bytes(dtype))
-    pool = PagedKVCache(cfg, num_blocks=5, block_size=4, dtype=torch.bfloat16)
-    assert pool.storage.nbytes == kv_cache_bytes(cfg, 5 * 4, 1, 2)  # a paged pool: the same bytes per slot
+    pool = KVStorage(cfg, num_blocks=5, block_size=4, dtype=torch.bfloat16)
+    assert pool.nbytes == kv_cache_bytes(cfg, 5 * 4, 1, 2)  # a paged pool: the same bytes per slot
 
 
 def test_dtype_bytes():

@@ -61,6 +61,7 @@ def test_simulate_replays_prefix_hits_found_only_after_the_step_that_computes_th
 
 def test_simulate_is_the_engines_schedule(tiny_model):
     """The scheduler alone, fed the same prompts and arrival steps, plans exactly the engine's steps."""
+    from nanoserve.config import CacheConfig, EngineConfig
     from nanoserve.engine import LLMEngine
     from nanoserve.sampling import SamplingParams
 
@@ -68,7 +69,7 @@ def test_simulate_is_the_engines_schedule(tiny_model):
     arrivals = shared_prefix_arrivals(system, [[9, 8], [5], [4, 4, 4], [6], [11, 12]], at=[0, 0, 1, 2, 2], new=3)
     cfg = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=32)
     steps, reqs = timeline.simulate(arrivals, cfg, num_blocks=40, block_size=4, prefix_caching=True)
-    engine = LLMEngine(tiny_model, config=cfg, num_blocks=40, block_size=4, prefix_caching=True)
+    engine = LLMEngine(tiny_model, config=EngineConfig(CacheConfig(4, num_blocks=40, prefix_caching=True), cfg))
     s = 0
     while s <= max(a for a, _, _ in arrivals) or engine.has_unfinished_requests():
         for i, (at, prompt, new) in enumerate(arrivals):

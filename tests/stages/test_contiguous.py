@@ -9,12 +9,10 @@ import pytest
 import torch
 
 from nanoserve.config import ModelConfig
-from nanoserve.engine import NoCacheSession
-from nanoserve.generate import greedy_ids
-from nanoserve.kv import CachedSession, CacheFullError, KVCache
-from nanoserve.kv import contiguous as contiguous_module
-from nanoserve.kv.contiguous import cached_session
 from nanoserve.model import Llama
+from nanoserve.sampling import SamplingParams
+from nanoserve.stages import CachedSession, CacheFullError, KVCache, NoCacheSession, cached_session, run_session
+from nanoserve.stages import contiguous as contiguous_module
 
 
 def _ids(n: int, vocab: int, seed: int = 0) -> list[int]:
@@ -138,13 +136,15 @@ def prompt_ids(tok):
 
 @pytest.fixture(scope="module")
 def cached_greedy(model, prompt_ids):
-    return [greedy_ids(model, ids, n, session=cached_session(model, len(ids) + n), ignore_eos=False)
-            for ids, n in prompt_ids]
+    greedy = [SamplingParams(temperature=0, max_tokens=n) for _, n in prompt_ids]
+    return [run_session(model, cached_session(model, len(ids) + n), ids, g).token_ids
+            for (ids, n), g in zip(prompt_ids, greedy)]
 
 
 def test_real_model_cache_gives_the_no_cache_tokens(model, prompt_ids, cached_greedy):
     for (ids, n), ours in zip(prompt_ids, cached_greedy):
-        reference = greedy_ids(model, ids, n, session=NoCacheSession(model), ignore_eos=False)
+        greedy = SamplingParams(temperature=0, max_tokens=n)
+        reference = run_session(model, NoCacheSession(model), ids, greedy).token_ids
         assert torch.equal(torch.tensor(ours), torch.tensor(reference))
     assert [len(ours) for ours in cached_greedy] == [64, 64, 39, 8]  # the EOS ones stop early
 

@@ -1,5 +1,6 @@
-"""The paged KV cache: its storage (write, copy, gather), `append` applying the block manager's
-copy-on-write copies, and a hypothesis state machine over random workloads on tiny pools."""
+"""The paged pool's storage (write, copy, gather) beside the block manager whose numbers it follows: the
+manager's copy-on-write copies made by the storage, and a hypothesis state machine over random workloads on
+tiny pools, checking that every sequence reads back exactly its own K/V."""
 
 from __future__ import annotations
 
@@ -11,24 +12,46 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch import Tensor
 
 from nanoserve.config import ModelConfig
-from nanoserve.kv import paged as paged_module
-from nanoserve.kv.blocks import BlockTable, OutOfBlocks, RequestTooLarge
-from nanoserve.kv.paged import KVStorage, PagedKVCache
+from nanoserve.kv import storage as storage_module
+from nanoserve.kv.blocks import BlockManager, BlockTable, OutOfBlocks, RequestTooLarge
+from nanoserve.kv.storage import KVStorage
+
+
+class Pool(BlockManager):
+    """A block manager and its storage, paired as the engine pairs them: `append` gives new tokens slots and
+    makes the copies the manager asks for (the model runner's job in the engine)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int = 16, prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, prefix_caching)
+        self.storage = KVStorage(cfg, num_blocks, block_size)
+        self.k, self.v = self.storage.k, self.storage.v
+
+    def append(self, table: BlockTable, ids: list[int]) -> Tensor:
+        slots, copies = self.append_slots(table, ids)
+        self.storage.copy_blocks(copies)
+        return torch.tensor(slots, dtype=torch.long)
+
+    def write(self, layer, slots, k, v) -> None:
+        self.storage.write(layer, slots, k, v)
+
+    def gather(self, layer, blocks, length):
+        return self.storage.gather(layer, blocks, length)
 
 # storage just big enough to hold a recognisable value per token: 1 layer, 1 kv head, 2 numbers
 STORE_CFG = ModelConfig.tiny(n_layers=1, n_heads=2, n_kv_heads=1, head_dim=2)
 
 
-def pool_state(cache: PagedKVCache) -> tuple:
+def pool_state(cache: Pool) -> tuple:
     pool = cache.pool
     evictable = list(pool.prefix.evictable) if pool.prefix else []
     return list(pool.free_list), list(pool.refcount), evictable
 
 
 def test_docstring_example():
-    assert doctest.testmod(paged_module).failed == 0
+    assert doctest.testmod(storage_module).failed == 0
 
 
 def test_storage_is_vllms_layout_and_its_bytes():
@@ -36,13 +59,12 @@ def test_storage_is_vllms_layout_and_its_bytes():
     s = KVStorage(cfg, num_blocks=5, block_size=3, dtype=torch.bfloat16)
     assert s.k.shape == s.v.shape == (cfg.n_layers, 5, 3, cfg.n_kv_heads, cfg.head_dim)
     assert s.nbytes == 2 * cfg.n_layers * 5 * 3 * cfg.n_kv_heads * cfg.head_dim * 2
-    cache = PagedKVCache.for_tokens(cfg, 33, block_size=16)
-    assert cache.num_blocks == 3 and cache.k is cache.storage.k and cache.v is cache.storage.v
+    assert (s.num_blocks, s.block_size) == (5, 3)
 
 
 def test_write_then_gather_reads_back_in_position_order():
     cfg = ModelConfig.tiny()
-    cache = PagedKVCache(cfg, num_blocks=6, block_size=3)
+    cache = Pool(cfg, num_blocks=6, block_size=3)
     filler = cache.new_table()
     cache.append(filler, [0, 0])  # so the real sequence's blocks are not 0, 1, 2
     t = cache.new_table()
@@ -69,11 +91,11 @@ def test_copy_blocks_copies_every_layer():
     assert torch.equal(s.k[:, [0, 2]], before_k[:, [0, 2]])  # the sources are left as they were
 
 
-def test_append_applies_the_copy_on_write_copies():
-    """The manager says (src, dst); the cache copies src's K/V into dst, in every layer, before the new
+def test_the_managers_copies_made_by_the_storage():
+    """The manager says (src, dst); the storage copies src's K/V into dst, in every layer, before the new
     token is written: the child's copied block holds exactly the parent's K/V."""
     cfg = ModelConfig.tiny()
-    cache = PagedKVCache(cfg, num_blocks=6, block_size=4)
+    cache = Pool(cfg, num_blocks=6, block_size=4)
     parent = cache.new_table()
     slots = cache.append(parent, [1, 2, 3, 4, 5, 6])
     g = torch.Generator().manual_seed(0)
@@ -90,7 +112,7 @@ def test_append_applies_the_copy_on_write_copies():
 
 
 def test_fork_shares_and_copies_on_write():
-    cache = PagedKVCache(STORE_CFG, num_blocks=6, block_size=2)
+    cache = Pool(STORE_CFG, num_blocks=6, block_size=2)
     t = cache.new_table()
     cache.write(0, cache.append(t, [1, 2, 3]), torch.ones(3, 1, 2), torch.ones(3, 1, 2))
     u = cache.fork(t)
@@ -110,7 +132,7 @@ def test_fork_shares_and_copies_on_write():
 
 # --- property tests over random workloads ---
 
-def compute(cache: PagedKVCache, t: BlockTable, ids: list[int]) -> None:
+def compute(cache: Pool, t: BlockTable, ids: list[int]) -> None:
     """A stand-in forward: each token's k/v is a function of the whole prefix up to it."""
     start = t.num_tokens
     slots = cache.append(t, ids)
@@ -135,7 +157,7 @@ class PagedPoolMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(1, 10), block_size=st.sampled_from([1, 2, 3, 4]),
                 prefix_caching=st.booleans())
     def setup(self, num_blocks, block_size, prefix_caching):
-        self.cache = PagedKVCache(STORE_CFG, num_blocks, block_size, prefix_caching=prefix_caching)
+        self.cache = Pool(STORE_CFG, num_blocks, block_size, prefix_caching=prefix_caching)
         self.seqs: list[BlockTable] = []
 
     def _grow(self, t: BlockTable, ids: list[int]) -> bool:

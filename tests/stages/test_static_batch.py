@@ -8,8 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nanoserve.engine import BatchedPagedKVCache, NoCacheSession, StaticBatch, greedy_generate_batch
 from nanoserve.generate import greedy_ids
+from nanoserve.stages import BatchedPagedKVCache, NoCacheSession, StaticBatch, greedy_generate_batch
+from nanoserve.stages import greedy_session_ids as session_ids
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [29, 30]]
 KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> kernels=
@@ -34,8 +35,8 @@ def batch_logits(model, prompts, steps, block_size=16, kernels=None):
 
 def test_each_row_has_its_own_block_table(tiny_cfg):
     kv = BatchedPagedKVCache.for_batch(tiny_cfg, [5, 1, 9], max_new_tokens=4, block_size=4)
-    assert kv.cache.num_blocks == math.ceil(9 / 4) + math.ceil(5 / 4) + math.ceil(13 / 4)
-    assert kv.batch_size == 3 and kv.block_size == 4 and kv.cache.pool.prefix is None
+    assert kv.manager.num_blocks == math.ceil(9 / 4) + math.ceil(5 / 4) + math.ceil(13 / 4)
+    assert kv.batch_size == 3 and kv.block_size == 4 and kv.manager.pool.prefix is None
     chunks = kv.prefill_chunks([[1] * 5, [2], [3] * 9])
     assert [len(t.blocks) for t in kv.tables] == [2, 1, 3]
     blocks = [b for t in kv.tables for b in t.blocks]
@@ -46,8 +47,8 @@ def test_each_row_has_its_own_block_table(tiny_cfg):
     assert kv.context_lens == [6, 2, 10]
     assert [(list(c.token_ids), c.num_computed) for c in chunks] == [([7], 5), ([8], 1), ([9], 9)]
     kv.free()
-    assert kv.cache.pool.num_free == kv.cache.num_blocks
-    kv.cache.pool.check()
+    assert kv.manager.pool.num_free == kv.manager.num_blocks
+    kv.manager.pool.check()
 
 
 def test_the_batched_cache_refuses_misuse(tiny_cfg):
@@ -62,7 +63,7 @@ def test_the_batched_cache_refuses_misuse(tiny_cfg):
     with pytest.raises(ValueError, match="prefilled once"):
         kv.prefill_chunks([[1, 2, 3], [4, 5, 6]])
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        BatchedPagedKVCache(kv.cache, 0)
+        BatchedPagedKVCache(kv.manager, kv.storage, 0)
 
 
 # ---- static batches and greedy_generate_batch ----------------------------------------------------
@@ -100,8 +101,8 @@ def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_path
     assert [len(o) for o in out] == lens
     for p, n, o in zip(PROMPTS, lens, out):
         assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n, kernels=kernels)[0]
-        assert o == greedy_ids(tiny_model, p, n)  # generate's own road: one sequence, paged
-        assert o == greedy_ids(tiny_model, p, n, NoCacheSession(tiny_model))  # the Day 08 loop, no cache at all
+        assert o == greedy_ids(tiny_model, p, n)  # the engine's road: generate
+        assert o == session_ids(tiny_model, NoCacheSession(tiny_model), p, n)  # the Day 08 loop, no cache at all
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -133,15 +134,15 @@ def test_a_finished_row_keeps_its_slot_and_blocks_until_the_batch_ends(tiny_mode
     with pytest.raises(RuntimeError, match="done"):
         sb.step()
     sb.kv.free()
-    assert sb.kv.cache.pool.num_free == sb.kv.cache.num_blocks
+    assert sb.kv.manager.pool.num_free == sb.kv.manager.num_blocks
 
 
 def test_run_gives_every_block_back(tiny_model):
     sb = StaticBatch(tiny_model, PROMPTS, [3] * len(PROMPTS), block_size=4)
     tokens = sb.run()
     assert [len(t) for t in tokens] == [4] * len(PROMPTS)
-    assert sb.kv.cache.pool.num_free == sb.kv.cache.num_blocks
-    sb.kv.cache.pool.check()
+    assert sb.kv.manager.pool.num_free == sb.kv.manager.num_blocks
+    sb.kv.manager.pool.check()
 
 
 def test_stop_steps_and_max_new_tokens_say_the_same_thing(tiny_model):

@@ -5,8 +5,9 @@ import pytest
 import torch
 from prompts import NEAR_TIE
 
-from nanoserve.engine import NoCacheSession, StaticBatch, greedy_generate_batch
 from nanoserve.generate import greedy_ids
+from nanoserve.stages import NoCacheSession, StaticBatch, greedy_generate_batch
+from nanoserve.stages import greedy_session_ids as session_ids
 
 TEXTS = [
     "The capital of France is",
@@ -77,8 +78,8 @@ def test_ragged_budgets_and_the_single_sequence_paths_agree(model, prompts, solo
     for i, (p, n, tokens) in enumerate(zip(prompts, budgets, out)):
         assert tokens == solo[i][0][:n]
         if n == NEW:
-            assert tokens == greedy_ids(model, p, n)  # generate's own road: one sequence, paged
-            assert tokens == greedy_ids(model, p, n, NoCacheSession(model))  # Day 08's loop: no cache, no batch
+            assert tokens == greedy_ids(model, p, n)  # the engine's road: generate
+            assert tokens == session_ids(model, NoCacheSession(model), p, n)  # Day 08's loop: no cache, no batch
 
 
 def test_rows_of_two_batches_are_bit_identical(model, prompts, road):
