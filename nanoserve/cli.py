@@ -65,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_arguments(sub.add_parser("lengths", help="draw Day 15's request-length CSV"))
     b = sub.add_parser("bench", help="benchmarks that write a CSV under data/")
     bsub = b.add_subparsers(dest="what", required=True, parser_class=_Parser, metavar="<benchmark>")
-    single.add_arguments(bsub.add_parser("single", help="prefill/decode tok/s: nanoserve vs transformers"),
-                         bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
+    single.add_arguments(bsub.add_parser("single", help="prefill/decode tok/s: nanoserve vs transformers"))
+    single.add_layout_arguments(bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
     paged.add_arguments(bsub.add_parser("paged", help="paged vs contiguous decode (Day 20)"))
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))

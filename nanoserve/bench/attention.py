@@ -1,37 +1,22 @@
 """`python -m nanoserve bench attention`: one decode step's attention, every road, side by side (Days 23, 24).
 
-    gather   the reference read (Day 18): each request's blocks copied out of the pool, then SDPA over the copy
-    torch    Day 28's batched torch ops: keys gathered into one rectangle, values summed by embedding_bag
-    sdpa     contiguous SDPA: the same keys already in one contiguous (B, K, S, D) tensor, one fused call; what
-             a cache without blocks would do
-    kernel   the compiled kernel, reading each key where it lies in the pool, split-K off
-    split-k  the same kernel with split-K: decode rows longer than `kernels.SPLIT_KEYS` keys read in pieces
-
-One layer of one decode step, at each thread count asked for (1 and torch's own by default: split-K can
-only pay where there is more than one core): `batch` requests, one query each, every request `context` keys in blocks
-scattered over a shuffled pool, the model's shapes (heads, kv heads, head_dim). The roads are checked to
-agree before anything is timed, then timed interleaved call by call, so a shared machine's slow moment falls
-on all of them, and each call starts on cold caches (`cold_interleaved`), as a layer's attention does in a
-real step.
-
-Bytes are counted, not sampled: the ideal is the K/V bytes the step must read once (batch x context x kv
-heads x head_dim x 4 bytes, for K and for V). `gather` and `torch` read the pool, write a copy and read the
-copy again (3x the ideal; `torch` copies the keys only, 2x); `sdpa` and the kernel read each byte once. GB/s
-is the ideal bytes over the median time; `of_read_bw` divides it by this machine's read bandwidth measured
-in the same run (a sum over a large buffer, `bench.roofline.measure_bandwidth`).
-
-    python -m nanoserve bench attention          # writes data/bench-attention.csv
+IMPLS: `gather` (Day 18: each request's blocks copied out of the pool, then SDPA), `torch` (Day 28: keys gathered
+into one rectangle, values summed by embedding_bag), `sdpa` (the keys already contiguous: a cache without blocks),
+`kernel` (the compiled kernel reading keys where they lie) and `split-k` (long rows read in pieces on several
+cores). One layer, `batch` requests of `context` keys in blocks over a shuffled pool, the model's shapes, at each
+thread count; the roads checked to agree, then timed interleaved, each call after an untimed read of FLUSH_BYTES
+(cold caches, as in a real step, where the weight products have just streamed through them). Bytes are counted:
+the ideal is every key and value read once; the gathers also write and re-read a copy (KV_PASSES). GB/s is the
+ideal bytes over the median time, `of_read_bw` that over the read bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,17 +26,15 @@ from .. import kernels
 from ..attention import reference, torch_ops
 from ..attention.causal import causal_attention
 from ..attention.metadata import Chunk, prepare
-from .machine import add_common_arguments, command_line, csv_header, use_threads
+from . import csvio
+from .command import common_arguments, csv_header, start, table
 from .roofline import measure_bandwidth
-from .timing import Summary, summarize
+from .timing import Summary, interleaved, summarize, time_callable
 
 CSV_PATH = "data/bench-attention.csv"
 IMPLS = ("gather", "torch", "sdpa", "kernel", "split-k")
-KV_PASSES = {"gather": 3, "torch": 2, "sdpa": 1, "kernel": 1, "split-k": 1}
-"""K/V bytes each road moves, in units of the ideal: the gathers read, write and re-read what they copy
-(`torch` copies the keys, and reads the values in place)."""
-FLUSH_BYTES = 64 * 2**20
-"""Read before every timed call: several times any CPU's last-level cache."""
+KV_PASSES = {"gather": 3, "torch": 2, "sdpa": 1, "kernel": 1, "split-k": 1}  # K/V bytes moved over the ideal
+FLUSH_BYTES = 64 * 2**20  # read before every timed call: several times any CPU's last-level cache
 FIELDS = ("impl", "threads", "batch", "context", "block_size", "ms", "p10_ms", "p90_ms", "n", "kv_ideal_mb",
           "kv_moved_mb", "moved_over_ideal", "gb_s", "of_read_bw", "x_kernel", "x_kernel_p10")
 
@@ -75,17 +58,14 @@ class Point:
         return self.kv_ideal_bytes / self.time.median / 1e9
 
     def row(self, kernel: Summary) -> dict[str, object]:
-        """The CSV row; x_kernel divides by the unsplit kernel's median in the same run (x_kernel_p10: the
-        10th percentiles, what each road costs when the machine's other work leaves it alone)."""
-        t = self.time
-        return dict(impl=self.impl, threads=self.threads, batch=self.batch, context=self.context,
-                    block_size=self.block_size,
-                    ms=round(t.median * 1e3, 4), p10_ms=round(t.p10 * 1e3, 4), p90_ms=round(t.p90 * 1e3, 4), n=t.n,
-                    kv_ideal_mb=round(self.kv_ideal_bytes / 1e6, 3),
-                    kv_moved_mb=round(self.kv_ideal_bytes * KV_PASSES[self.impl] / 1e6, 3),
-                    moved_over_ideal=KV_PASSES[self.impl], gb_s=round(self.gb_s, 3),
-                    of_read_bw=round(self.gb_s * 1e9 / self.read_bw, 4), x_kernel=round(t.median / kernel.median, 4),
-                    x_kernel_p10=round(t.p10 / kernel.p10, 4))
+        """The CSV row; x_kernel over the unsplit kernel's median in the same run (x_kernel_p10: 10th percentiles,
+        what each road costs when the machine's other work leaves it alone)."""
+        t, ms, passes = self.time, lambda s: round(s * 1e3, 4), KV_PASSES[self.impl]
+        return dict(zip(FIELDS, (self.impl, self.threads, self.batch, self.context, self.block_size, ms(t.median),
+                                 ms(t.p10), ms(t.p90), t.n, round(self.kv_ideal_bytes / 1e6, 3),
+                                 round(self.kv_ideal_bytes * passes / 1e6, 3), passes, round(self.gb_s, 3),
+                                 round(self.gb_s * 1e9 / self.read_bw, 4), round(t.median / kernel.median, 4),
+                                 round(t.p10 / kernel.p10, 4))))
 
 
 def kv_ideal_bytes(batch: int, context: int, n_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
@@ -95,9 +75,8 @@ def kv_ideal_bytes(batch: int, context: int, n_kv_heads: int, head_dim: int, ite
 
 def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
                 seed: int = 0) -> dict[str, Callable[[], Tensor]]:
-    """One layer's decode attention for `batch` requests of `context` keys, as each road runs it: a callable
-    per road. The pool holds random K/V in blocks drawn from a shuffled free list (a pool that has served
-    many requests); the contiguous road holds the same numbers in order."""
+    """One layer's decode attention for `batch` requests of `context` keys, a callable per road: random K/V in
+    blocks from a shuffled free list (a pool that has served many requests), the same numbers in order for sdpa."""
     g = torch.Generator().manual_seed(seed)
     per = -(-context // block_size)
     n_blocks = batch * per
@@ -128,22 +107,6 @@ def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_di
     }
 
 
-def cold_interleaved(fns: Sequence[Callable[[], object]], repeats: int, flush: Tensor | None = None,
-                     clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
-    """Time each fn `repeats` times, round-robin, each call after a sum over `flush` (untimed): the caches hold
-    none of the call's K/V, as in a real step, where the layer's weight products have just streamed through
-    them. Without it the second road to read a pool would find it warm from the first."""
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            if flush is not None:
-                flush.sum()
-            t0 = clock()
-            fn()
-            samples[i].append(clock() - t0)
-    return samples
-
-
 def measure(batch: int, context: int, n_heads: int = 9, n_kv_heads: int = 3, head_dim: int = 64,
             block_size: int = 16, repeats: int = 30, budget_s: float = 4.0, read_bw: float = 1.0,
             impls: Sequence[str] = IMPLS, flush_bytes: int = FLUSH_BYTES) -> list[Point]:
@@ -154,17 +117,14 @@ def measure(batch: int, context: int, n_heads: int = 9, n_kv_heads: int = 3, hea
     roads = {name: fn for name, fn in roads.items() if name in impls}
     with torch.inference_mode():
         outs = {name: fn() for name, fn in roads.items()}
-        first = outs[next(iter(outs))]
+        first = next(iter(outs))
         for name, out in outs.items():
-            err = (out - first).abs().max().item()
-            if err > 1e-5:
-                raise AssertionError(f"{name} disagrees with {next(iter(outs))} by {err} at batch {batch}, {context}")
-        t0 = time.perf_counter()
-        for fn in roads.values():
-            fn()
-        one_round = time.perf_counter() - t0
+            if (err := (out - outs[first]).abs().max().item()) > 1e-5:
+                raise AssertionError(f"{name} disagrees with {first} by {err} at batch {batch}, context {context}")
+        one_round = time_callable(lambda: [fn() for fn in roads.values()], 1, warmup=0)[0]
         n = max(5, min(repeats, int(budget_s / max(one_round, 1e-9))))
-        samples = cold_interleaved(list(roads.values()), n, flush)
+        cold = None if flush is None else lambda _: flush.sum()  # the second road to read a pool finds it cold too
+        samples = interleaved(list(roads.values()), n, warmup=0, before=cold)
     ideal = kv_ideal_bytes(batch, context, n_kv_heads, head_dim)
     threads = torch.get_num_threads()
     return [Point(name, threads, batch, context, block_size, summarize(s), ideal, read_bw)
@@ -195,36 +155,16 @@ def run_sweep(batches: Sequence[int] = (1, 32), contexts: Sequence[int] = (128, 
             bws.append(measure_bandwidth(2**28, 5)[0])
     finally:
         torch.set_num_threads(before)
-    bw = statistics.median(bws)
-    points = [Point(p.impl, p.threads, p.batch, p.context, p.block_size, p.time, p.kv_ideal_bytes, bw) for p in points]
-    return points, bws
+    return [replace(p, read_bw=statistics.median(bws)) for p in points], bws
 
 
-def write_csv(path: str | Path, points: Sequence[Point], header: Sequence[str]) -> None:
-    """The CSV: `header`'s `#` lines, then one row per (impl, batch, context), x_kernel against the kernel."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_csv(path: str | Path, points: Sequence[Point], meta: dict) -> Path:
     kernel = {(p.threads, p.batch, p.context): p.time for p in points if p.impl == "kernel"}
-    with path.open("w", newline="") as f:
-        f.write("".join(f"{line}\n" for line in header))
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for p in points:
-            w.writerow(p.row(kernel[(p.threads, p.batch, p.context)]))
+    return csvio.write_csv(path, [p.row(kernel[(p.threads, p.batch, p.context)]) for p in points], meta, FIELDS)
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict[str, object]]]:
-    """The `# key: value` lines and the rows of a CSV written by `write_csv`, numbers parsed."""
-    meta, lines = {}, []
-    for line in Path(path).read_text().splitlines():
-        if line.startswith("# "):
-            key, _, value = line[2:].partition(": ")
-            meta[key] = value
-        elif line:
-            lines.append(line)
-    ints = {"threads", "batch", "context", "block_size", "n"}
-    return meta, [{k: v if k == "impl" else int(v) if k in ints else float(v) for k, v in r.items()}
-                  for r in csv.DictReader(lines)]
+    return csvio.read_csv(path, parse=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -235,12 +175,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per point, roughly")
     ap.add_argument("--thread-counts", type=int, nargs="+", default=None,
                     help="torch threads to sweep (default: 1 and torch's own count)")
-    add_common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """`python -m nanoserve bench attention`: the sweep on the loaded model's shapes, a table, and the CSV."""
-    use_threads(args)
+    start(args)
     from ..loader import load
 
     if kernels.load() is None:
@@ -252,16 +192,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     points, bws = run_sweep(args.batches, args.contexts, args.block_size, args.repeats, args.budget,
                             (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), counts)
     bw = statistics.median(bws)
-    write_csv(args.out, points, csv_header(command_line(argv), read_bandwidth=f"{bw:.4g}",
-                                           split_keys=kernels.SPLIT_KEYS,
+    write_csv(args.out, points, csv_header(argv, read_bandwidth=f"{bw:.4g}", split_keys=kernels.SPLIT_KEYS,
                                            shapes=f"H={cfg.n_heads} K={cfg.n_kv_heads} D={cfg.head_dim}"))
-    kernel = {(p.threads, p.batch, p.context): p.time.median for p in points if p.impl == "kernel"}
     print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bws)})")
-    print(f"{'impl':8s}{'thr':>4s}{'B':>4s}{'context':>8s}{'ms':>10s}{'x kernel':>10s}{'moved/ideal':>12s}{'GB/s':>8s}"
-          f"{'of read bw':>11s}")
-    for p in points:
-        print(f"{p.impl:8s}{p.threads:4d}{p.batch:4d}{p.context:8d}{p.time.median * 1e3:10.3f}"
-              f"{p.time.median / kernel[(p.threads, p.batch, p.context)]:10.2f}{KV_PASSES[p.impl]:12.1f}{p.gb_s:8.2f}"
-              f"{p.gb_s * 1e9 / bw:11.2f}")
+    print(table(read_csv(args.out)[1], ["impl", "threads", "batch", "context", "ms", "x_kernel", "moved_over_ideal",
+                                        "gb_s", "of_read_bw"]))
     print(f"-> {args.out}")
     return 0

@@ -1,46 +1,36 @@
-"""What a static batch costs: wasted work and held-back answers (Day 29, the stdlib core).
+"""What a static batch costs: wasted work and held-back answers (Day 29, the stdlib core, clock injected).
 
-A static batch is fixed when it starts and runs until its slowest row is done.
-`BatchTiming` holds one such run and derives its two bills, which are never
-averaged into one number:
-
-- throughput: `issued_tokens` is what the forward computed (every row, every
-  step), `useful_tokens` what the rows collected; `waste_fraction` is the gap.
-- latency: every row is handed back at `batch_done_s`, so a row whose own work
-  ended at `row_done_s` waits `hol_delay_s` more (head-of-line blocking).
-
-How tokens count: the prefill emits each row's first token, so a row that
-generates n tokens needs n - 1 decode steps, and the batch runs max(n) - 1.
-Counts are decode tokens only. Seven rows of 4 behind one of 32 run 31 steps:
+A static batch runs until its slowest row is done. `BatchTiming` holds one run and derives its two bills, never
+averaged into one number: throughput (`issued_tokens` computed, `useful_tokens` collected, `waste_fraction` the
+gap) and latency (a row whose own work ended at `row_done_s` is handed back at `batch_done_s`: head-of-line
+blocking). The prefill emits each row's first token, so counts are decode tokens: a row of n tokens needs n - 1
+steps. Seven rows of 4 behind one of 32 run 31 steps:
 
 >>> t = static_batch_timing([4] * 7 + [32])
 >>> t.issued_tokens, t.useful_tokens, round(t.waste_fraction, 2)   # 8 * 31, 7 * 3 + 31
 (248, 52, 0.79)
 
-`fit_batch_scaling` takes the other measurement, throughput against batch size
-on uniform batches. The clock is injected (`bench.timing`); the harness that
-builds the real model hands `time_static_batch` its prefill and step closures.
+`fit_batch_scaling` takes the other measurement: throughput against batch size on uniform batches.
 """
 
 from __future__ import annotations
 
-import csv
+import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .timing import DEFAULT_CLOCK, Clock
+from . import csvio
+from .timing import DEFAULT_CLOCK, Clock, time_callable
 
 
 @dataclass(frozen=True)
 class BatchTiming:
-    """One run: the prefill, each decode step, and how many steps each row needed.
-
-    A static batch (the defaults) computes every row at every step and hands every row back at the
-    end. A scheduled run (Day 31) says how many rows each step computed (`step_rows`) and hands each
-    row back when its own work is done (`returns_rows_when_done`); the same bills then measure it."""
+    """One run: the prefill, each decode step, and how many steps each row needed. A static batch (the defaults)
+    computes every row at every step and hands every row back at the end; a scheduled run (Day 31) says how many
+    rows each step computed (`step_rows`) and hands each row back when its own work is done."""
 
     prefill_s: float
     step_s: list[float]
@@ -102,20 +92,16 @@ class BatchTiming:
 
     def _elapsed(self) -> list[float]:
         """Clock offsets after the prefill and after each step: n_steps + 1 readings."""
-        ends = [self.prefill_s]
-        for s in self.step_s:
-            ends.append(ends[-1] + s)
-        return ends
+        return list(itertools.accumulate(self.step_s, initial=self.prefill_s))
 
     @property
     def row_done_s(self) -> list[float]:
         """Per row, when its own work ended: prefill plus its first row_steps[i] steps."""
-        ends = self._elapsed()
-        return [ends[r] for r in self.row_steps]
+        return [self._elapsed()[r] for r in self.row_steps]
 
     @property
     def batch_done_s(self) -> float:
-        """When every row is handed back: prefill plus all steps."""
+        """When the slowest row is done: prefill plus all steps."""
         return self._elapsed()[-1]
 
     @property
@@ -152,22 +138,12 @@ class BatchTiming:
 
 def time_static_batch(prefill: Callable[[], object], step: Callable[[], object],
                       row_steps: Sequence[int], clock: Clock = DEFAULT_CLOCK) -> BatchTiming:
-    """Time `prefill()` once, then `step()` max(row_steps) times, and return the run.
-
-    The closures do the real work (the harness builds them around the model and
-    the cache); this function only reads the clock around each call.
-    """
+    """Time `prefill()` once, then `step()` max(row_steps) times: the closures do the real work (the harness
+    builds them around the model and the cache), this only reads the clock around each call."""
     row_steps = list(row_steps)
     if not row_steps:
         raise ValueError("empty batch: row_steps needs one entry per row")
-    t0 = clock()
-    prefill()
-    prefill_s = clock() - t0
-    step_s = []
-    for _ in range(max(row_steps)):
-        t0 = clock()
-        step()
-        step_s.append(clock() - t0)
+    (prefill_s,), step_s = time_callable(prefill, 1, 0, clock), time_callable(step, max(row_steps), 0, clock)
     return BatchTiming(prefill_s=prefill_s, step_s=step_s, row_steps=row_steps)
 
 
@@ -184,24 +160,16 @@ def static_batch_timing(output_lens: Sequence[int], step_s: float = 1.0,
 
 def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: float,
                        short_len: int = 4, step_s: float = 1.0, prefill_s: float = 0.0) -> BatchTiming:
-    """The Day-29 slider: a batch of short rows behind long ones, as a modelled `BatchTiming`.
-
-    round(short_share * batch_size) rows generate `short_len` tokens (halves round
-    up), the rest round(short_len * long_short_ratio). Waste and inflation are
-    counts of steps and rows, so they do not depend on `step_s`.
+    """The Day-29 slider: round(short_share * batch_size) rows of `short_len` tokens (halves round up), the rest
+    round(short_len * long_short_ratio), modelled. Waste and inflation are counts, whatever `step_s` is.
 
     >>> t = static_batch_costs(8, short_share=7 / 8, long_short_ratio=8)
     >>> t.row_steps, round(t.max_hol_inflation, 2)
     ([3, 3, 3, 3, 3, 3, 3, 31], 10.33)
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    if not 0.0 <= short_share <= 1.0:
-        raise ValueError(f"short_share must be in [0, 1], got {short_share}")
-    if long_short_ratio < 1:
-        raise ValueError(f"long_short_ratio must be >= 1, got {long_short_ratio}")
-    if short_len < 1:
-        raise ValueError(f"short_len must be >= 1, got {short_len}")
+    if batch_size < 1 or not 0.0 <= short_share <= 1.0 or long_short_ratio < 1 or short_len < 1:
+        raise ValueError(f"need batch_size >= 1, short_share in [0, 1], long_short_ratio >= 1, short_len >= 1; got "
+                         f"{batch_size}, {short_share}, {long_short_ratio}, {short_len}")
     n_short = math.floor(short_share * batch_size + 0.5)
     long_len = math.floor(short_len * long_short_ratio + 0.5)
     lens = [short_len] * n_short + [long_len] * (batch_size - n_short)
@@ -210,16 +178,10 @@ def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: fl
 
 @dataclass(frozen=True)
 class BatchScaling:
-    """Throughput against batch size, from uniform batches (where every issued token is useful).
-
-    `speedup` is throughput over the smallest batch's (batch 1 in a real sweep);
-    `efficiency` is speedup over the ideal (B / B0), the share of linear scaling
-    that survived. `knee` is the largest batch size such that it and every
-    smaller size keep efficiency >= `min_efficiency` (by default three quarters
-    of linear scaling). The smallest size has efficiency 1, so it is the floor.
-    The knee can sit below the throughput peak: a size can still raise tok/s
-    while no longer paying its way.
-    """
+    """Throughput against batch size, from uniform batches (every issued token useful). `speedup` is throughput
+    over the smallest batch's, `efficiency` speedup over the ideal B / B0; `knee` is the largest size such that it
+    and every smaller one keep efficiency >= `min_efficiency`: below the peak where a size raises tok/s without
+    paying its way."""
 
     batch_sizes: list[int]
     step_s: list[float]
@@ -252,17 +214,12 @@ class BatchScaling:
 
     @property
     def knee(self) -> int:
-        knee = self.batch_sizes[0]
-        for b, eff in zip(self.batch_sizes, self.efficiency):
-            if eff < self.min_efficiency:
-                break
-            knee = b
-        return knee
+        paying = list(itertools.takewhile(lambda e: e >= self.min_efficiency, self.efficiency))
+        return self.batch_sizes[max(len(paying) - 1, 0)]
 
     @property
     def peak_batch_size(self) -> int:
-        tps = self.tok_per_s
-        return self.batch_sizes[tps.index(max(tps))]
+        return self.batch_sizes[self.tok_per_s.index(max(self.tok_per_s))]
 
     @property
     def peak_tok_per_s(self) -> float:
@@ -288,34 +245,26 @@ def fit_batch_scaling(batch_sizes: Sequence[int], median_step_s: Sequence[float]
 
 
 CSV_FIELDS = ("label", "batch_size", "n_steps", "prefill_s", "decode_s", "issued_tokens", "useful_tokens",
-              "waste_fraction", "max_hol_inflation", "issued_tok_per_s", "goodput_tok_per_s",
-              "step_s", "row_steps")
-"""One row per run. prefill_s, step_s and row_steps are the raw record (lists joined with
-spaces, floats written exactly); the columns between are derived, for a reader of the file."""
+              "waste_fraction", "max_hol_inflation", "issued_tok_per_s", "goodput_tok_per_s", "step_s", "row_steps")
+"""One row per run: prefill_s, step_s and row_steps are the raw record (floats exact, lists space-joined), the
+columns between are derived, for a reader of the file."""
 
 
-def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], header: Sequence[str] = ()) -> None:
-    """Write labelled runs (e.g. 'nanoserve', 'blocking') to `path`, one row each, below `header`'s
-    comment lines (the command and the machine)."""
-    with open(path, "w", newline="") as f:
-        for line in header:
-            f.write(line if line.startswith("#") else f"# {line}")
-            f.write("\n")
-        writer = csv.writer(f, lineterminator="\n")
-        writer.writerow(CSV_FIELDS)
-        for label, t in runs:
-            writer.writerow([label, t.batch_size, t.n_steps, repr(t.prefill_s), f"{t.decode_s:.6g}",
-                             t.issued_tokens, t.useful_tokens, f"{t.waste_fraction:.4f}",
-                             f"{t.max_hol_inflation:.4f}", f"{t.issued_tok_per_s:.4g}",
-                             f"{t.goodput_tok_per_s:.4g}", " ".join(map(repr, t.step_s)),
-                             " ".join(map(str, t.row_steps))])
+def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], meta: Mapping[str, object] | None = None,
+              ) -> Path:
+    """Write labelled runs (e.g. 'nanoserve', 'blocking') to `path`, one row each, below `meta`'s header lines."""
+    rows = [dict(zip(CSV_FIELDS, (label, t.batch_size, t.n_steps, repr(t.prefill_s), f"{t.decode_s:.6g}",
+                                  t.issued_tokens, t.useful_tokens, f"{t.waste_fraction:.4f}",
+                                  f"{t.max_hol_inflation:.4f}", f"{t.issued_tok_per_s:.4g}",
+                                  f"{t.goodput_tok_per_s:.4g}", " ".join(map(repr, t.step_s)),
+                                  " ".join(map(str, t.row_steps))))) for label, t in runs]
+    return csvio.write_csv(path, rows, meta, CSV_FIELDS)
 
 
-def read_csv(path: str | Path) -> list[tuple[str, BatchTiming]]:
-    """Read back what `write_csv` wrote (comment lines skipped); the raw columns rebuild each run exactly."""
-    with open(path, newline="") as f:
-        rows = csv.DictReader(line for line in f if not line.startswith("#"))
-        return [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
-                                           step_s=[float(x) for x in row["step_s"].split()],
-                                           row_steps=[int(x) for x in row["row_steps"].split()]))
-                for row in rows]
+def read_csv(path: str | Path) -> tuple[dict[str, str], list[tuple[str, BatchTiming]]]:
+    """What `write_csv` wrote: the header lines, and the labelled runs, rebuilt exactly from the raw columns."""
+    meta, rows = csvio.read_csv(path)
+    return meta, [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
+                                             step_s=[float(x) for x in row["step_s"].split()],
+                                             row_steps=[int(x) for x in row["row_steps"].split()]))
+                  for row in rows]

@@ -1,104 +1,148 @@
-"""The harness: the real model and a real batched pool, handed to measuring code as closures (Day 26).
+"""The harness: the real model, the workloads the commands run, and what they time, as closures (Day 26).
 
-A benchmark that times a function called in isolation measures that function. The harness
-builds exactly what generation builds, a `StaticBatch` (its prompts' prefill into a real
-`BatchedPagedKVCache`, then batched decode steps, each through the ModelRunner), and hands
-the stdlib timing core (`batchbench.time_static_batch`) its two bound methods. What gets
-timed is the loop `greedy_generate_batch` runs, and the tokens it collects are that
-function's tokens.
-
-    build_batched_decode  one static batch, as a prefill() and a step() closure
-    time_model_batch      time it: a BatchTiming (prefill, every step, each row's budget) and the tokens
-    sweep_batch_sizes     uniform batches of 1, 2, 4, ... rows: throughput against batch size
-    time_hf_generate      transformers' static batched generate on the same checkpoint, timed per step
-    time_engine_batch     the same rows through the scheduled engine (Day 31): the same BatchTiming
-
-transformers is imported only inside the two functions that use it: it is the reference, not a dependency.
+A benchmark that times a function called in isolation measures that function. The harness builds what
+generation builds, a `StaticBatch`, and hands the stdlib core (`batchbench.time_static_batch`) its `prefill` and
+`step`: what gets timed is the loop `greedy_generate_batch` runs, and the tokens collected are its tokens. The
+same rows go through the engine (`time_engine_batch`) and through transformers' `generate` (`hf_generate`; it is
+the reference, imported only where used, not a dependency).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+import random
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..config import EngineConfig, SchedulerConfig
+from ..config import EngineConfig, ModelConfig, SchedulerConfig
 from ..engine import LLMEngine
+from ..engine.request import Request
 from ..model import Llama
 from ..sampling import SamplingParams
 from ..stages import StaticBatch
+from ..tokenizer import Tokenizer
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, time_static_batch
+from .command import engine_config
+from .roofline import forward_flops
 from .timing import DEFAULT_CLOCK, Clock
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32)
 BLOCKING_LENS = (4,) * 7 + (32,)  # Day 29's blocking run: seven rows of 4 tokens behind one of 32
 
-PROMPTS = (
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "What is two plus two?",
-    "Name three colors of the rainbow.",
-    "Once upon a time, in a small village by the river,",
-    "Explain in one sentence why the sky is blue.",
-    "List the days of the week:",
-    "A recipe for pancakes needs flour, eggs and",
-)
+PROMPTS = ("The capital of France is", "Write a haiku about the sea.", "What is two plus two?",
+           "Name three colors of the rainbow.", "Once upon a time, in a small village by the river,",
+           "Explain in one sentence why the sky is blue.", "List the days of the week:",
+           "A recipe for pancakes needs flour, eggs and")
 """Eight short prompts, one per row of the blocking run; the sweep replicates the first."""
 
+PASSAGE = (
+    "The lighthouse on the northern cape was built in 1858 from granite quarried on the island itself. "
+    "For ninety years a keeper climbed its one hundred and twelve steps every evening to light the lamp, "
+    "wind the clockwork that turned the lens, and write the weather in a log that still survives. "
+    "Ships rounding the cape in winter storms steered by its flash, one long and two short every twenty "
+    "seconds, and the keepers' families grew vegetables in the lee of the tower where the wind could not "
+    "reach them. When the light was automated the last keeper left a note in the log: the lamp is clean, "
+    "the stairs are swept, and the gulls are fed. "
+)
+"""The text long prompts are cut from (repeated as needed): ordinary prose, not a repeated token."""
 
-@dataclass
-class BatchedDecode:
-    """One real static batch as two closures: `prefill()` once, then `step()` row_steps-max times."""
 
-    batch: StaticBatch
-    prefill: Callable[[], object]
-    step: Callable[[], object]
-    row_steps: list[int]
+def prose(tok: Tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
+    """n_tokens of PASSAGE repeated, from token `offset` on: a prompt of ordinary text."""
+    ids = tok.encode(PASSAGE * ((offset + n_tokens) // 50 + 2), add_special_tokens=False)
+    return ids[offset:offset + n_tokens]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests as (prompt ids, tokens to generate)."""
+
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
 
     @property
-    def tokens(self) -> list[list[int]]:
-        """What each row has collected so far: after the whole run, greedy_generate_batch's output."""
-        return self.batch.tokens
+    def useful_tokens(self) -> int:
+        return sum(self.max_tokens)
 
-    def free(self) -> None:
-        self.batch.kv.free()
+    def flops(self, cfg: ModelConfig) -> float:
+        """FLOPs of the useful work: each prompt computed once, each generated token once at its context."""
+        total = 0.0
+        for p, n in zip(self.prompts, self.max_tokens):
+            total += forward_flops(cfg, len(p))  # the prefill gives the first token
+            total += sum(forward_flops(cfg, 1, context=len(p) + j) for j in range(n - 1))
+        return total
+
+
+def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] = (20, 300),
+                    output_range: tuple[int, int] = (8, 128), seed: int = 0) -> Workload:
+    """n requests, prompt and output lengths uniform in their ranges (EOS to be ignored: the length is the
+    request's); prompt i starts at its own offset into the passage, so no two share a first block."""
+    rng = random.Random(seed)
+    offsets = rng.sample(range(len(tok.encode(PASSAGE, add_special_tokens=False))), n)
+    prompts = [prose(tok, rng.randint(*prompt_range), o) for o in offsets]
+    return Workload("ragged", prompts, [rng.randint(*output_range) for _ in range(n)])
+
+
+def uniform_workload(tok: Tokenizer, n: int = 32, prompt_tokens: int = 160, max_tokens: int = 68,
+                     seed: int = 0) -> Workload:
+    """n requests of one prompt length and one output length: the case static batching wastes nothing on."""
+    w = ragged_workload(tok, n, (prompt_tokens, prompt_tokens), (max_tokens, max_tokens), seed)
+    return Workload("uniform", w.prompts, w.max_tokens)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """The requests every command sends: greedy, EOS ignored (the length is the request's)."""
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                 arrivals: Sequence[float] | None = None) -> tuple[float, list[Request]]:
+    """Add request i when arrivals[i] seconds have passed (default: all at once), step while any is unfinished,
+    sleep otherwise. Returns the clock at the start and the requests, taken out of the engine."""
+    clock, arrivals = engine.clock, arrivals if arrivals is not None else [0.0] * len(prompts)
+    t0, ids = clock(), []
+    while len(ids) < len(prompts) or engine.has_unfinished_requests():
+        while len(ids) < len(prompts) and arrivals[len(ids)] <= clock() - t0:
+            ids.append(engine.add_request(prompts[len(ids)], params[len(ids)]))
+        if engine.has_unfinished_requests():
+            engine.step()
+        elif len(ids) < len(prompts):
+            time.sleep(max(0.0, arrivals[len(ids)] - (clock() - t0)))
+    return t0, [engine.requests.pop(i) for i in ids]
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
                          block_size: int = 16, kernels: bool | None = None,
-                         compiled_step: bool | None = None) -> BatchedDecode:
-    """Stand up the batch `greedy_generate_batch(model, prompts, stop_steps=stop_steps)` runs."""
-    batch = StaticBatch(model, prompts, list(stop_steps), block_size, kernels, compiled_step)
-    return BatchedDecode(batch, batch.prefill, batch.step, list(stop_steps))
+                         compiled_step: bool | None = None) -> StaticBatch:
+    """The batch `greedy_generate_batch(model, prompts, stop_steps=stop_steps)` runs, its `prefill` and `step` to
+    hand to a timer; its `tokens`, after the whole run, are that function's output."""
+    return StaticBatch(model, prompts, list(stop_steps), block_size, kernels, compiled_step)
 
 
 def time_model_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
                      clock: Clock = DEFAULT_CLOCK, block_size: int = 16, kernels: bool | None = None,
                      compiled_step: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
-    """Time one static batch: the prefill, every decode step, and row i's budget of stop_steps[i] steps.
-
-    Rows stop on their step budget, not on EOS; a finished row stays in every forward (it keeps
-    its slot and its blocks) until the slowest row is done, which is what the timing charges."""
-    run = build_batched_decode(model, prompts, stop_steps, block_size, kernels, compiled_step)
+    """Time one static batch: the prefill, every decode step, and row i's budget of stop_steps[i] steps. A
+    finished row stays in every forward (its slot, its blocks) until the slowest is done: the timing charges it."""
+    batch = build_batched_decode(model, prompts, stop_steps, block_size, kernels, compiled_step)
     try:
-        timing = time_static_batch(run.prefill, run.step, run.row_steps, clock)
+        return time_static_batch(batch.prefill, batch.step, batch.stop_steps, clock), batch.tokens
     finally:
-        run.free()
-    return timing, run.tokens
+        batch.kv.free()
 
 
 def time_engine_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                      clock: Clock = DEFAULT_CLOCK, config: SchedulerConfig | None = None,
-                      kernels: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
-    """The rows of `time_model_batch`, all arriving at once, through the scheduled engine: its first step
-    is every prompt (the prefill), then each step decodes the rows still running. Row i generates
-    stop_steps[i] + 1 tokens, as in the static batch, and is handed back the step it is done."""
-    engine = LLMEngine(model, config=EngineConfig(scheduler=config or SchedulerConfig(), kernels=kernels), clock=clock)
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True))
-           for p, n in zip(prompts, stop_steps)]
+                      clock: Clock = DEFAULT_CLOCK, config: EngineConfig | SchedulerConfig | None = None,
+                      ) -> tuple[BatchTiming, list[list[int]]]:
+    """The rows of `time_model_batch` through the scheduled engine: its first step is every prompt, then each step
+    decodes the rows still running; row i generates stop_steps[i] + 1 tokens and is handed back when done."""
+    engine = LLMEngine(model, config=engine_config(config), clock=clock)
+    ids = [engine.add_request(p, greedy(n + 1)) for p, n in zip(prompts, stop_steps)]
     t0 = clock()
     engine.step()
     if engine.history[0].num_prefill_tokens != sum(len(p) for p in prompts):
@@ -144,9 +188,6 @@ def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence
     return Sweep(timings, tokens)
 
 
-# ---- the reference: transformers' static batched generate ----------------------------------------
-
-
 def load_hf_model(folder: str | Path):
     """transformers' model on the same checkpoint folder, imported only when asked for."""
     try:
@@ -156,13 +197,11 @@ def load_hf_model(folder: str | Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clock: Clock = DEFAULT_CLOCK,
-                     pad_id: int = 0) -> tuple[BatchTiming, list[list[int]]]:
-    """transformers' `generate` on one static batch (greedy, its own KV cache), `steps` decode steps.
-
-    A logits processor reads the clock each time generate has new logits: once after the prefill,
-    then once per decode step, so each step is timed from logits to logits as `StaticBatch.step` is
-    (forward plus the loop's own bookkeeping). Prompts are left-padded, as transformers expects."""
+def hf_generate(hf_model, prompts: Sequence[Sequence[int]], new_tokens: int, clock: Clock = DEFAULT_CLOCK,
+                pad_id: int = 0) -> tuple[float, list[float], list[list[int]]]:
+    """transformers' `generate` on one batch, greedy, EOS off, left-padded: exactly `new_tokens` per row. Returns
+    the clock at the start, a reading each time it has new logits (after the prefill, then each step: forward plus
+    the loop's bookkeeping, as `StaticBatch.step` is timed), and each row's tokens."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
@@ -175,13 +214,19 @@ def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clo
     T = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts])  # (B, T)
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    config = copy.deepcopy(hf_model.generation_config)  # greedy, exactly steps + 1 tokens; [] (not None): no EOS
+    config = copy.deepcopy(hf_model.generation_config)  # [] (not None): no EOS
     config.update(do_sample=False, temperature=None, top_p=None, top_k=None, eos_token_id=[],
-                  max_new_tokens=steps + 1, pad_token_id=pad_id)
+                  max_new_tokens=new_tokens, pad_token_id=pad_id)
     start = clock()
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=mask, generation_config=config,
                                 logits_processor=LogitsProcessorList([Stamp()]))
+    return start, stamps, out[:, T:].tolist()
+
+
+def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clock: Clock = DEFAULT_CLOCK,
+                     pad_id: int = 0) -> tuple[BatchTiming, list[list[int]]]:
+    """`hf_generate` as one static batch's BatchTiming: the prefill, then `steps` decode steps."""
+    start, stamps, tokens = hf_generate(hf_model, prompts, steps + 1, clock, pad_id)
     step_s = [b - a for a, b in zip(stamps, stamps[1:])]
-    timing = BatchTiming(prefill_s=stamps[0] - start, step_s=step_s, row_steps=[steps] * len(prompts))
-    return timing, out[:, T:].tolist()
+    return BatchTiming(prefill_s=stamps[0] - start, step_s=step_s, row_steps=[steps] * len(prompts)), tokens

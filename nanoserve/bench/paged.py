@@ -1,36 +1,15 @@
-"""Paged vs contiguous decode, measured (Day 20): what the reference gather costs.
+"""`python -m nanoserve bench paged`: paged vs contiguous decode (Day 20), what the reference gather costs.
 
-The paged side runs the reference read (`attention.reference`): it gathers a
-sequence's blocks into a contiguous copy before attention, while the contiguous
-cache attends over a view of memory that is already in order. Everything else in
-a decode step is the same model code, so a step differs by that copy, by the
-paged step's metadata, and by the attention call (SDPA over the copy against the
-contiguous cache's one-query read, `decode_attention`); the `read` measure
-isolates the copy, SDPA on both sides. The compiled attention reads blocks where
-they lie instead; this module says how big the debt it avoids is.
-
-Two measurements, each paged vs contiguous in the same run, interleaved sample
-by sample so that drift on a shared machine lands on both sides:
-
-- `step`: one whole decode step of the real model through each path's Session
-  (weights streamed, 30 layers of write + read), at a given context.
-- `read`: one layer's attention read alone (gather + attention vs attention over
-  the view), the part of the step the gather lives in.
-
-The caches are filled with random K/V of the right shape rather than by a
-prefill: a step's cost does not depend on the values, and a 4096-token prefill
-would dominate the run. The paged copy is written through the write path from
-the contiguous one into a shuffled free list (blocks scattered as in a pool that
-has served many requests), and the first step's logits of both paths are
-checked to agree, so both sides do the same work on the same numbers.
-
-    python -m nanoserve bench paged          # writes data/day-20-paged-vs-contiguous.csv
+The paged road reads through `attention.reference`, gathering a sequence's blocks into a contiguous copy first;
+the contiguous cache attends over memory already in order. Two measures, interleaved sample by sample: `step`, a
+whole decode step of the real model through each road's Session, and `read`, one layer's attention read alone.
+The caches hold random K/V (a step's cost does not depend on values), the paged copy written into blocks from a
+shuffled free list (as in a pool that has served many requests), and the first step's logits checked to agree.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import sys
 import time
@@ -40,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from ..attention.causal import causal_attention
 from ..attention.reference import gather_blocks
 from ..kv import BlockPool
 from ..model import Llama
 from ..stages import CachedSession, PagedSession, paged_session
-from .machine import add_common_arguments, command_line, csv_header, use_threads
-from .timing import DEFAULT_CLOCK, Clock, Summary, summarize, time_callable
+from . import csvio
+from .command import common_arguments, csv_header, report, start
+from .timing import DEFAULT_CLOCK, Clock, Summary, interleaved, summarize
 
 CSV_PATH = "data/day-20-paged-vs-contiguous.csv"
 FIELDS = ["measure", "context", "block_size", "contiguous_ms", "paged_ms", "ratio",
@@ -57,12 +36,12 @@ FIELDS = ["measure", "context", "block_size", "contiguous_ms", "paged_ms", "rati
 
 @dataclass(frozen=True)
 class Comparison:
-    """One context and block size: the contiguous and paged samples of one measure, taken interleaved."""
+    """One measure ("step" or "read") at one context and block size: contiguous and paged samples (seconds)."""
 
-    measure: str  # "step" or "read"
+    measure: str
     context: int
     block_size: int
-    contiguous: Summary  # seconds
+    contiguous: Summary
     paged: Summary
 
     @property
@@ -71,96 +50,62 @@ class Comparison:
         return self.paged.median / self.contiguous.median
 
     def row(self) -> dict[str, object]:
-        c, p = self.contiguous, self.paged
-        return dict(measure=self.measure, context=self.context, block_size=self.block_size,
-                    contiguous_ms=round(c.median * 1e3, 4), paged_ms=round(p.median * 1e3, 4),
-                    ratio=round(self.ratio, 4), contiguous_p10_ms=round(c.p10 * 1e3, 4),
-                    contiguous_p90_ms=round(c.p90 * 1e3, 4), paged_p10_ms=round(p.p10 * 1e3, 4),
-                    paged_p90_ms=round(p.p90 * 1e3, 4), n=p.n)
-
-
-def interleaved(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 2,
-                clock: Clock = DEFAULT_CLOCK) -> list[list[float]]:
-    """Time each fn `repeats` times, round-robin (a, b, c, a, b, c, ...), after `warmup` untimed rounds."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    samples: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            samples[i].extend(time_callable(fn, repeats=1, warmup=0, clock=clock))
-    return samples
+        c, p, ms = self.contiguous, self.paged, lambda s: round(s * 1e3, 4)
+        return dict(zip(FIELDS, (self.measure, self.context, self.block_size, ms(c.median), ms(p.median),
+                                 round(self.ratio, 4), ms(c.p10), ms(c.p90), ms(p.p10), ms(p.p90), p.n)))
 
 
 def contiguous_at(model: Llama, context: int, room: int, seed: int = 0) -> CachedSession:
     """A contiguous session holding `context` positions of random K/V, with `room` more to decode into."""
-    session = CachedSession(model, context + room)
-    g = torch.Generator().manual_seed(seed)
-    session.cache.k.copy_(torch.randn(session.cache.k.shape, generator=g))
-    session.cache.v.copy_(torch.randn(session.cache.v.shape, generator=g))
+    session, g = CachedSession(model, context + room), torch.Generator().manual_seed(seed)
+    for t in (session.cache.k, session.cache.v):
+        t.copy_(torch.randn(t.shape, generator=g))
     session.cache.length = context
     return session
 
 
 def paged_like(model: Llama, contiguous: CachedSession, block_size: int, room: int, seed: int = 0) -> PagedSession:
-    """A paged session holding the same K/V as `contiguous`, written through the write path into
-    blocks drawn from a shuffled free list."""
+    """A paged session (reading through the gather) holding the K/V of `contiguous`, written through the write
+    path into blocks drawn from a shuffled free list."""
     n = contiguous.cache.length
-    session = paged_session(model, n + room, block_size, attention="reference")  # the gather is what is measured
-    pool = session.manager.pool
-    free = list(pool.free_list)
-    random.Random(seed).shuffle(free)
-    pool.free_list.clear()
-    pool.free_list.extend(free)
-    slots, _ = session.manager.append_slots(session.table, [0] * n)
-    slots = torch.tensor(slots)
+    session = paged_session(model, n + room, block_size, attention="reference")
+    random.Random(seed).shuffle(session.manager.pool.free_list)
+    slots = torch.tensor(session.manager.append_slots(session.table, [0] * n)[0])
     for layer in range(model.cfg.n_layers):
-        kc, vc = contiguous.cache.k[layer, 0, :, :n], contiguous.cache.v[layer, 0, :, :n]  # (K, n, D)
-        session.runner.storage.write(layer, slots, kc.transpose(0, 1), vc.transpose(0, 1))  # (n, K, D) into the slots
+        k, v = (t[layer, 0, :, :n].transpose(0, 1) for t in (contiguous.cache.k, contiguous.cache.v))  # (n, K, D)
+        session.runner.storage.write(layer, slots, k, v)
     session.manager.commit(session.table)
     return session
 
 
 def measure_context(model: Llama, context: int, block_sizes: Sequence[int], step_repeats: int,
                     read_repeats: int, token: int = 42, clock: Clock = DEFAULT_CLOCK) -> list[Comparison]:
-    """Both measures at one context, every block size, each paged path interleaved with the contiguous one."""
-    room = step_repeats + 4
-    contiguous = contiguous_at(model, context, room)
-    paged = [paged_like(model, contiguous, bs, room) for bs in block_sizes]
+    """Both measures at one context, every block size, each paged road interleaved with the contiguous one."""
+    contiguous = contiguous_at(model, context, step_repeats + 4)
+    sessions = [contiguous] + [paged_like(model, contiguous, bs, step_repeats + 4) for bs in block_sizes]
     with torch.inference_mode():
-        first = [s.decode(token) for s in [contiguous, *paged]]  # also the first warmup step
-    # random K/V make 30 layers chaotic, so two fp32 roads drift further apart than on real text; a wrong
-    # read would still be off by the logits' own size
-    bound = 1e-3 * float(first[0].abs().max())
+        first = [s.decode(token) for s in sessions]  # also the first warmup step
+    # random K/V make 30 layers chaotic, so two fp32 roads drift apart more than on text; a wrong read would
+    # still be off by the logits' own size
     for bs, logits in zip(block_sizes, first[1:]):
-        err = (logits - first[0]).abs().max().item()
-        if err > bound:
+        if (err := (logits - first[0]).abs().max().item()) > 1e-3 * float(first[0].abs().max()):
             raise AssertionError(f"paged (block {bs}) and contiguous logits differ by {err} at context {context}")
-    steps = interleaved([lambda s=s: s.decode(token) for s in [contiguous, *paged]], step_repeats, 1, clock)
-
-    # one layer's read: q of one new token over the first `context` keys
-    D, H = model.cfg.head_dim, model.cfg.n_heads
-    q = torch.randn(1, 1, H, D, generator=torch.Generator().manual_seed(1))  # (1, 1, H, D)
-    kc, vc = contiguous.cache.k[0, :, :, :context], contiguous.cache.v[0, :, :, :context]  # (1, K, n, D)
-    reads = [lambda: causal_attention(q, kc.transpose(1, 2), vc.transpose(1, 2))]
-    def paged_read(s: PagedSession) -> Tensor:
-        kc, vc = gather_blocks(s.runner.storage.k[0], s.runner.storage.v[0], s.table.blocks, context)  # (context, K, D)
-        return causal_attention(q, kc[None], vc[None])
-
-    reads += [lambda s=s: paged_read(s) for s in paged]
-    assert all(torch.allclose(r(), reads[0]().view_as(r()), atol=1e-5) for r in reads[1:])
+    steps = interleaved([lambda s=s: s.decode(token) for s in sessions], step_repeats, 1, clock)
+    q = torch.randn(1, 1, model.cfg.n_heads, model.cfg.head_dim, generator=torch.Generator().manual_seed(1))
+    kc, vc = (t[0, :, :, :context].transpose(1, 2) for t in (contiguous.cache.k, contiguous.cache.v))  # (1, n, K, D)
+    reads = [lambda: causal_attention(q, kc, vc)] + [  # one layer: q of one new token over `context` keys
+        lambda s=s: causal_attention(q, *(t[None] for t in gather_blocks(s.runner.storage.k[0], s.runner.storage.v[0],
+                                                                          s.table.blocks, context)))
+        for s in sessions[1:]]
+    assert all(torch.allclose(r(), reads[0](), atol=1e-5) for r in reads[1:])
     read_samples = interleaved(reads, read_repeats, 2, clock)
-
-    out = []
-    for i, bs in enumerate(block_sizes):
-        out.append(Comparison("step", context, bs, summarize(steps[0]), summarize(steps[i + 1])))
-        out.append(Comparison("read", context, bs, summarize(read_samples[0]), summarize(read_samples[i + 1])))
-    return out
+    return [Comparison(m, context, bs, summarize(samples[0]), summarize(samples[i + 1]))
+            for i, bs in enumerate(block_sizes) for m, samples in (("step", steps), ("read", read_samples))]
 
 
 def run_sweep(model: Llama, contexts: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
-        block_sizes: Sequence[int] = (16, 256), step_repeats: int = 15, read_repeats: int = 60,
-        log: Callable[[str], None] | None = print, clock: Clock = DEFAULT_CLOCK) -> list[Comparison]:
+              block_sizes: Sequence[int] = (16, 256), step_repeats: int = 15, read_repeats: int = 60,
+              log: Callable[[str], None] | None = print, clock: Clock = DEFAULT_CLOCK) -> list[Comparison]:
     """The whole sweep; logs one `[time]` line per comparison as it goes."""
     rows = []
     for context in contexts:
@@ -193,15 +138,13 @@ class UsagePoint:
 
 def utilisation_trace(requests: Sequence[tuple[int, int]], block_size: int, max_len: int,
                       max_running: int) -> list[UsagePoint]:
-    """Serve (prompt, output) length pairs first come first served, at most `max_running` at once, every
-    running request gaining one token per step; a request leaves when its output is done. The paged side
-    is a real BlockPool: a block is allocated when a request crosses into it and freed when it leaves."""
+    """Serve (prompt, output) length pairs first come first served, at most `max_running` at once, each running
+    request gaining a token per step until its output is done. The paged side is a real BlockPool: a block is
+    allocated when a request crosses into it and freed when it leaves."""
     if any(p < 1 or o < 0 or p + o > max_len for p, o in requests):
         raise ValueError(f"every request needs a prompt >= 1 token and prompt + output <= max_len={max_len}")
     pool = BlockPool(max_running * -(-max_len // block_size), block_size, prefix_caching=False)
-    waiting = deque(requests)
-    running: list[list] = []  # [tokens held, final length, blocks]
-    points = []
+    waiting, running, points = deque(requests), [], []  # running: [tokens held, final length, blocks]
     while waiting or running:
         while waiting and len(running) < max_running:
             p, o = waiting.popleft()
@@ -222,32 +165,12 @@ def utilisation_trace(requests: Sequence[tuple[int, int]], block_size: int, max_
     return points
 
 
-def write_csv(path: str | Path, rows: Sequence[Comparison], header: Sequence[str]) -> None:
-    """CSV with `header`'s `#` lines (the command, the machine) above the column names."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as f:
-        f.write("".join(f"{line}\n" for line in header))
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        for r in rows:
-            w.writerow(r.row())
+def write_csv(path: str | Path, rows: Sequence[Comparison], meta: dict[str, object]) -> Path:
+    return csvio.write_csv(path, [r.row() for r in rows], meta, FIELDS)
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict[str, float | int | str]]]:
-    """The `# key: value` lines and the rows of a CSV written by `write_csv`, numbers parsed."""
-    meta, lines = {}, []
-    for line in Path(path).read_text().splitlines():
-        if line.startswith("# "):
-            key, _, value = line[2:].partition(": ")
-            meta[key] = value
-        elif line:
-            lines.append(line)
-    rows = []
-    for r in csv.DictReader(lines):
-        rows.append({k: (v if k == "measure" else int(v) if k in ("context", "block_size", "n") else float(v))
-                     for k, v in r.items()})
-    return meta, rows
+    return csvio.read_csv(path, parse=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -258,25 +181,19 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: time.perf_counter; cpu: this thread's CPU time (needs --threads 1), which other "
                          "processes on a shared machine do not inflate")
-    add_common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """`python -m nanoserve bench paged`: the sweep, a table, and the CSV."""
-    use_threads(args)
+    start(args)
     if args.clock == "cpu" and torch.get_num_threads() != 1:
         print("nanoserve bench paged: error: --clock cpu counts one thread's CPU time, so it needs --threads 1",
               file=sys.stderr)
         return 2
-    clock = time.thread_time if args.clock == "cpu" else DEFAULT_CLOCK
     from ..loader import load
 
     model, _ = load()
+    clock = time.thread_time if args.clock == "cpu" else DEFAULT_CLOCK
     rows = run_sweep(model, args.contexts, args.block_sizes, args.step_repeats, args.read_repeats, clock=clock)
-    write_csv(args.out, rows, csv_header(command_line(argv), clock=args.clock))
-    print(f"\n{'measure':8s}{'context':>8s}{'block':>6s}{'contig ms':>11s}{'paged ms':>10s}{'ratio':>7s}")
-    for r in rows:
-        print(f"{r.measure:8s}{r.context:8d}{r.block_size:6d}{r.contiguous.median * 1e3:11.3f}"
-              f"{r.paged.median * 1e3:10.3f}{r.ratio:7.3f}")
-    print(f"-> {args.out}")
-    return 0
+    meta = csv_header(argv, clock=args.clock)
+    return report(write_csv(args.out, rows, meta), meta, [r.row() for r in rows], FIELDS[:6])

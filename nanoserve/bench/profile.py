@@ -1,40 +1,19 @@
 """Where the time of one decode step goes (Day 12).
 
-A decode step is one forward pass. To see what it spends its time on we run that
-forward once under a `TorchFunctionMode`: every torch call the model makes
-(`F.embedding`, `x.view`, the attention kernel...) passes through it, and so do the
-compiled kernels and `onednn_linear`, which dispatch through `handle_torch_function`
-as torch's own ops do. We time each call and put it in one of a few groups a reader
-can point at in `model/llama.py`:
+The forward runs under a `TorchFunctionMode`: every torch call the model makes passes through it (the compiled
+kernels and `onednn_linear` too: they dispatch through `handle_torch_function`), is timed, and is filed under a
+group a reader can point at in `model/llama.py` (GROUPS), by these rules in order:
 
-    embedding  norms  qkv  rope  attention  o_proj  mlp  lm_head  other
+1. `F.embedding` is `embedding`; any other call that touches a weight is named by that weight (`wqkv` is qkv,
+   `wo` o_proj, `w_gate_up`/`w_down` mlp, the tied head lm_head, a norm's scale norms). Weights are known by
+   their memory, so a transposed view or whichever kernel runs the product is still found;
+2. everything the KV backend does is `attention` (the model is handed a backend wrapping the real one);
+3. calls made from a function whose name says `norm` or `rope` go to that group (`add_rms_norm` with its add,
+   the compiled `rope_` or `apply_rope`, the position table lookup);
+4. anything else (a view, SiLU, the block's last add) goes to the group of the call before it.
 
-The rules, in order:
-
-1. the table lookup `F.embedding` is `embedding`; any other call that touches a
-   weight is named by that weight: a product with `block.wqkv` is `qkv`, `wo` is
-   `o_proj`, `w_gate_up`/`w_down` are `mlp`, the (tied) head is `lm_head`, a norm's
-   scale is `norms`. Weights are recognized by their memory, not their Python
-   object, so a transposed view (`w.t()`) or whichever kernel the model picks for
-   the product (`F.linear`, `F.embedding_bag`, `torch.bmm`, `onednn_linear`...) is
-   still found;
-2. everything the KV backend does is `attention` (we hand the model a backend
-   that wraps the real one, through the model's own `kv=` argument);
-3. calls made from a function whose name says `norm` or `rope` go to that group:
-   `add_rms_norm` with its residual add (one compiled call, or the torch road) is
-   `norms`, the rotation (the compiled `rope_`, or `apply_rope`) is `rope`, and so
-   is the position table lookup `Llama.rope`;
-4. anything else (a view, a shape query, SiLU) goes to the group of the call just
-   before it: the views that split a product's output into heads are part of that
-   product, `silu_mul` (compiled or not) and the block's last add `x + mlp(h)` are
-   part of `mlp`.
-
-Measuring code is split as elsewhere: `summarize` is stdlib-only arithmetic over
-`OpCall` records (unit-tested on hand-made rows), `profile_forward` runs the model
-with the clock injected (a fake clock makes every call cost one tick in tests).
-On a CPU each op has finished when it returns, so wall time per call is its cost;
-on a GPU we synchronize around each call, which is slower but still attributes
-correctly.
+`summarize` is stdlib arithmetic over `OpCall` records; `profile_forward` takes the clock injected. On a CPU an
+op has finished when it returns; on a GPU each call is synchronized around.
 """
 
 from __future__ import annotations
@@ -53,9 +32,9 @@ from torch.overrides import TorchFunctionMode
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from ..model import Llama
+from .timing import Clock
 
 GROUPS = ("embedding", "norms", "qkv", "rope", "attention", "o_proj", "mlp", "lm_head", "other")
-Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -98,12 +77,8 @@ def weight_group(name: str) -> str | None:
 
 
 def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
-    """Bytes of weights each group reads in one forward over `n_tokens` tokens.
-
-    A matrix product reads its whole weight whatever T is; the embedding lookup reads only
-    the `n_tokens` rows it needs (the rest of the table is read, once, by the tied head).
-    Attention and RoPE read no weights, only activations (and, with a cache, K/V).
-    """
+    """Bytes of weights each group reads in one forward over `n_tokens` tokens: a product its whole weight
+    whatever T is, the embedding lookup only its T rows (the tied head reads the table once)."""
     out = dict.fromkeys(GROUPS, 0)
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -117,13 +92,8 @@ def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
 
 
 def flops_by_group(cfg: ModelConfig, n_tokens: int) -> dict[str, int]:
-    """Useful multiply-add FLOPs (2 per multiply-add) of one forward over `n_tokens` tokens with `last_only`.
-
-    The matrix products cost 2 x T x (weights); the head scores one row; causal attention pairs each
-    query with its prefix, T(T+1)/2 pairs per head, for q.k and again for p.v. Norms, RoPE and
-    elementwise ops are O(T x C) and left out. Against `weight_bytes_by_group` this gives each
-    group's arithmetic intensity: about 0.5 FLOP per byte at T = 1 (fp32), T/2 for longer T.
-    """
+    """Useful FLOPs (2 per multiply-add) of one forward over `n_tokens` tokens with `last_only`: products 2 x T x
+    weights, the head one row, causal attention T(T+1)/2 pairs per head twice; elementwise ops left out."""
     T, C, D = n_tokens, cfg.hidden_size, cfg.head_dim
     out = dict.fromkeys(GROUPS, 0)
     out["qkv"] = 2 * T * C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D * cfg.n_layers
@@ -228,14 +198,11 @@ def _attention_marking(mode: _GroupingMode, kv: KVBackend) -> KVBackend:
 @torch.inference_mode()
 def profile_forward(
     model: Llama, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
-    repeats: int = 5, warmup: int = 1, clock: Clock = time.perf_counter,
+    repeats: int = 5, warmup: int = 1, clock: Clock = time.perf_counter, compiled: bool | None = None,
 ) -> tuple[list[GroupRow], list[OpCall]]:
-    """Profile `model(ids, positions, kv, last_only=True)`: one decode step as the engine runs it.
-
-    ids (B, T). With no `kv`, the no-cache backend: a Day 08 decode step over the whole sequence.
-    Returns the summary table (median of `repeats` runs after `warmup`) and the op calls of one run.
-    `kv` must be reusable across runs (the no-cache backend is; a cache must be reset by the caller).
-    """
+    """Profile `model(ids, positions, kv, last_only=True, compiled=compiled)`, ids (B, T); no `kv`: the no-cache
+    backend, a Day 08 step (a `kv` must be reusable across runs). The table (median of `repeats` after `warmup`),
+    and one run's calls."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if ids.dim() == 1:
@@ -248,17 +215,15 @@ def profile_forward(
     for i in range(warmup + repeats):
         mode = _GroupingMode(weights, clock, sync)
         with mode:
-            model(ids, positions, kv=_attention_marking(mode, base_kv), last_only=True)
+            model(ids, positions, kv=_attention_marking(mode, base_kv), last_only=True, compiled=compiled)
         if i >= warmup:
             runs.append(mode.calls)
     return summarize(runs), runs[-1]
 
 
 def weight_rates(rows: Sequence[GroupRow], weight_bytes: dict[str, int]) -> dict[str, float]:
-    """Bytes of weights per second each group achieved: its weight bytes over its time.
-
-    For a one-token step this is the number to hold against the machine's memory bandwidth: a
-    matrix-vector product does 2 FLOPs per 4-byte weight, so it can go no faster than the weights stream.
+    """Bytes of weights per second each group achieved: for a one-token step, the number to hold against the
+    machine's memory bandwidth (a matrix-vector product can go no faster than its weights stream).
 
     >>> weight_rates([GroupRow("mlp", 0.01, 1.0, 4)], {"mlp": 300_000_000})
     {'mlp': 30000000000.0}
@@ -266,14 +231,3 @@ def weight_rates(rows: Sequence[GroupRow], weight_bytes: dict[str, int]) -> dict
     return {r.group: weight_bytes[r.group] / r.seconds for r in rows
             if weight_bytes.get(r.group, 0) > 0 and r.seconds > 0}
 
-
-def format_table(rows: Sequence[GroupRow], weight_bytes: dict[str, int] | None = None) -> str:
-    """The profile as aligned text: group, ms, share, calls (and weight MB when given)."""
-    head = f"{'group':<10} {'ms':>8} {'share':>7} {'calls':>6}" + (f" {'weight MB':>10}" if weight_bytes else "")
-    lines = [head]
-    for r in rows:
-        line = f"{r.group:<10} {r.seconds * 1e3:8.2f} {r.share:7.1%} {r.calls:6d}"
-        if weight_bytes is not None:
-            line += f" {weight_bytes.get(r.group, 0) / 1e6:10.1f}"
-        lines.append(line)
-    return "\n".join(lines)

@@ -1,14 +1,8 @@
 """This machine's roofline: how fast it can compute, how fast it can read memory (Day 11).
 
-A kernel is limited by whichever runs out first: arithmetic (peak FLOP/s) or
-bytes from memory (bandwidth). Its *arithmetic intensity*, FLOPs per byte read,
-says which: below the ridge point peak / bandwidth it is memory-bound.
-
-Decoding one token at batch 1 multiplies a vector by every weight matrix: 2 FLOPs
-per weight (multiply, add) for 4 bytes of fp32 weight, an intensity of 0.5. That is
-far below any CPU's ridge, so the step's floor is reading every weight once:
-
-    decode limit (tok/s) = bandwidth / weight bytes
+A kernel is limited by whichever runs out first: arithmetic (peak FLOP/s) or bytes from memory (bandwidth); its
+arithmetic intensity, FLOPs per byte read, says which. Batch-1 decode does 2 FLOPs per 4-byte fp32 weight, an
+intensity of 0.5, far below any CPU's ridge, so its floor is reading every weight once: bandwidth / weight bytes.
 
 >>> decode_limit_tok_s(weight_bytes=538e6, bandwidth=25e9)  # doctest: +ELLIPSIS
 46.4...
@@ -17,21 +11,20 @@ far below any CPU's ridge, so the step's floor is reading every weight once:
 >>> attainable_flops(0.5, peak=1e12, bandwidth=25e9)
 12500000000.0
 
-The pure functions above are unit-tested; `measure_roofline` runs the machine and
-is not a test: its numbers are reported with a median and printed beside benchmarks.
+The pure functions are unit-tested; `measure_roofline` runs the machine, reported beside benchmarks.
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, kv_bytes_per_token
 from ..model import Llama
 from ..model.matmul import ONEDNN, onednn_linear, pack
+from .timing import time_callable
 
 
 def decode_limit_tok_s(weight_bytes: float, bandwidth: float) -> float:
@@ -43,11 +36,8 @@ def decode_limit_tok_s(weight_bytes: float, bandwidth: float) -> float:
 
 def decode_intensity(n_params: float, batch: int = 1, bytes_per_param: float = 4.0,
                      kv_bytes: float = 0.0) -> float:
-    """FLOPs per byte of one decode step: batch rows x 2 FLOPs per weight, weights read once.
-
-    Batching is the lever: the same weight bytes serve `batch` tokens. `kv_bytes` adds what
-    attention reads from the cache (per step, all rows), which grows with context and batch.
-    """
+    """FLOPs per byte of one decode step: batch rows x 2 FLOPs per weight, weights read once (batching is the
+    lever: the same bytes serve `batch` tokens), plus `kv_bytes` read from the cache by all rows."""
     if n_params <= 0 or batch < 1 or bytes_per_param <= 0 or kv_bytes < 0:
         raise ValueError(f"bad decode step: n_params={n_params}, batch={batch}, bytes={bytes_per_param}")
     return 2.0 * n_params * batch / (n_params * bytes_per_param + kv_bytes)
@@ -66,19 +56,14 @@ def ridge_point(peak: float, bandwidth: float) -> float:
 
 
 def forward_flops(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True) -> float:
-    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones (multiply-add = 2).
-
-    Matmuls: 2 per weight per token (the LM head only for the last token with `last_only`).
-    Attention: each new query dots every key it may see and sums as many values, 4 x H x D per pair.
-    """
+    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones: 2 per weight per token (the LM
+    head only for the last with `last_only`), and 4 x H x D per (query, visible key) pair for attention."""
     C, D, L, Fi = cfg.hidden_size, cfg.head_dim, cfg.n_layers, cfg.intermediate_size
     per_layer = C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D + cfg.n_heads * D * C + 3 * C * Fi
     head_rows = 1 if last_only else n_tokens
     pairs = n_tokens * context + n_tokens * (n_tokens + 1) // 2  # (query, visible key) pairs, causal
     return 2.0 * (L * per_layer * n_tokens + cfg.vocab_size * C * head_rows) + 4.0 * L * cfg.n_heads * D * pairs
 
-
-# ---- measuring the machine ------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Roofline:
@@ -109,15 +94,8 @@ class Roofline:
                 f"({self.buffer_bytes / 2**30:.2f} GiB buffer), {self.threads} threads")
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _median_seconds(fn, repeats: int) -> float:
+    return statistics.median(time_callable(fn, repeats))
 
 
 def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> float:
@@ -128,11 +106,8 @@ def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> float:
 
 
 def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
-    """fp32 FLOP/s of the same product through oneDNN (torch's bundled mkldnn), or None without it.
-
-    torch.matmul goes to MKL, which on a non-Intel CPU may run a narrower code path than the chip
-    has; oneDNN picks kernels by the CPU's instruction set. The weight is packed into oneDNN's
-    blocked layout first, as nanoserve's are: the fastest product measured here."""
+    """fp32 FLOP/s of the same product through oneDNN (None without it), which picks kernels by the CPU's
+    instruction set where MKL may not; the weight packed in oneDNN's blocked layout, as nanoserve's are."""
     if not ONEDNN:
         return None
     with torch.inference_mode(False):  # a weight `pack` can version (and packed, as nanoserve's are)
@@ -143,11 +118,8 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
 
 
 def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, float]:
-    """(read, copy) bytes/s on a buffer of `nbytes` (default 1 GiB: far larger than a CPU's caches).
-
-    Read: a sum, which touches each byte once and writes nothing. Copy: read + write counted
-    (2 x nbytes moved); it is lower because each written line is also read first.
-    """
+    """(read, copy) bytes/s on a buffer of `nbytes`, far larger than a CPU's caches: read is a sum (each byte
+    once, nothing written), copy counts read + write (lower: each written line is also read first)."""
     n = nbytes // 4
     src = torch.ones(n)
     dst = torch.empty(n // 2)
@@ -163,9 +135,6 @@ def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int
         flops, onednn = measure_gemm_flops(gemm_n, repeats), measure_onednn_gemm_flops(gemm_n, repeats)
         read, copy = measure_bandwidth(buffer_bytes, repeats)
     return Roofline(flops, onednn, read, copy, torch.get_num_threads(), gemm_n, buffer_bytes)
-
-
-# ---- one decode step against the machine ----------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -194,6 +163,6 @@ class StepRoofline:
 def step_roofline(model: Llama, batch_size: int, context: int, peak_flops: float, bandwidth: float) -> StepRoofline:
     """The roofline point of one decode step at `batch_size` rows, each attending over `context` keys."""
     cfg = model.cfg
-    kv_bytes = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * context * model.dtype.itemsize
+    kv_bytes = kv_bytes_per_token(cfg, model.dtype.itemsize) * context
     return StepRoofline(batch_size, batch_size * forward_flops(cfg, 1, context - 1),
                         model.weight_bytes() + batch_size * kv_bytes, peak_flops, bandwidth)

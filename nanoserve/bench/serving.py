@@ -1,22 +1,10 @@
-"""Requests that arrive over time, and the serving metrics vLLM reports for them.
+"""Requests that arrive over time, and the serving metrics vLLM reports for them (stdlib only, like `timing`).
 
-Stdlib only, like `timing.py`: arrival traces and every metric can be pinned in unit tests.
-
-Arrivals follow vLLM's `benchmark_serving.py`: the gaps between requests are drawn from a gamma
-distribution with shape `burstiness` and mean 1/rate. Burstiness 1 is a Poisson process
-(exponential gaps); below 1 the requests come in clumps, above 1 more evenly. Rate infinity sends
-everything at once, which measures the throughput at saturation.
-
-The metrics use vLLM's definitions, per request from its arrival (when the client sends it):
-
-    TTFT   first token - arrival
-    TPOT   (E2E - TTFT) / (output tokens - 1); one-token requests have none
-    ITL    the gaps between consecutive tokens, pooled over every request
-    E2E    last token (the response done) - arrival
-
-and over the run, whose duration runs from the first arrival to the last completion:
-request throughput = completed / duration, output throughput = output tokens / duration, and
-goodput = requests that met every SLO / duration.
+Arrivals follow vLLM's `benchmark_serving.py`: gaps drawn from a gamma distribution of mean 1/rate and shape
+`burstiness` (1: a Poisson process; below 1 clumps, above 1 more even; rate inf sends everything at once). The
+metrics are vLLM's, per request from its arrival: TTFT, TPOT, ITL (pooled over requests) and E2E (last token -
+arrival); over the run, from the first arrival to the last completion: requests/s, output tokens/s, and goodput,
+the requests that met every SLO per second.
 """
 
 from __future__ import annotations
@@ -32,8 +20,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
-    """Seconds from the start at which each of n requests is sent: the first at 0, then gamma gaps of
-    mean 1/rate and shape `burstiness` (1: Poisson). rate=inf sends all n at 0."""
+    """When each of n requests is sent (seconds): the first at 0, then gamma gaps of mean 1/rate, shape `burstiness`."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     if not rate > 0:

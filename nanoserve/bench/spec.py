@@ -1,34 +1,33 @@
 """`python -m nanoserve bench spec`: prompt-lookup speculative decoding against plain decoding (Day 40).
 
-Two tasks, batch 1, greedy: `copy`, where the answer copies a given paragraph with small edits (the work
-prompt lookup is made for), and `chat`, ordinary questions whose answers copy little. Each prompt runs
-through the engine plain and speculative (one run per `--k`), the methods interleaved round
-by round so a shared machine's slow minute falls on all of them. Decode tok/s = (tokens - 1) / (time from
-the first token to the last): the prefill is the same for both and is left out.
-
-A second part times one forward of m query rows after a context of `--context` tokens (m = 1 is a decode
-step; m = k+1 is a verify step): what a verification costs next to the decode step it replaces.
+Two tasks, greedy: `copy` (the answer copies a paragraph with small edits: what prompt lookup is made for) and
+`chat` (answers that copy little). At each `--concurrency` c a task's prompts run c at a time (cycled to fill the
+last group) through one engine, plain and with each `--k` (speculative_config={"method": "ngram",
+"num_speculative_tokens": k, ...}), the methods interleaved. A request's decode tok/s is (tokens - 1) / (its last
+token's time - its first's), the prefill left out; every run's tokens are compared with plain greedy's. Beside it:
+one forward of m query rows after `--context` tokens (m = k + 1 is a verify step) over the one-row decode step.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from ..attention import Chunk
-from ..config import SpeculativeConfig
-from ..generate import one_request_engine
+from ..config import EngineConfig, SpeculativeConfig
+from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
 from ..stages import paged_session
 from ..tokenizer import Tokenizer
-from .batch import PASSAGE
-from .machine import add_common_arguments, command_line, csv_header, read_header, use_threads
+from . import csvio
+from .command import common_arguments, csv_header, engine_config, report, start
+from .harness import PASSAGE, run_requests
 
 CSV_PATH = "data/bench-spec.csv"
 
@@ -59,7 +58,7 @@ TASKS: dict[str, list[str]] = {
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One generation: which prompt and method, what it produced, how many forwards, how long it took."""
+    """One request of one run: its prompt, method and concurrency, what it produced, its forwards and time."""
 
     round: int
     task: str
@@ -73,10 +72,11 @@ class RunRecord:
     accepted: int
     decode_s: float  # first token to last
     token_ids: str  # the output, space-separated: runs are compared with plain's
+    concurrency: int = 1  # requests running together (older CSVs ran one at a time)
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class ForwardTiming:
     """One forward of `rows` query rows after `context` cached tokens."""
 
     round: int
@@ -89,22 +89,31 @@ def prompt_ids(tok: Tokenizer) -> dict[str, list[list[int]]]:
     return {task: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs] for task, msgs in TASKS.items()}
 
 
-def run_once(model: Llama, ids: list[int], max_tokens: int, k: int, config: SpeculativeConfig,
+def with_drafts(config: EngineConfig | None, k: int) -> EngineConfig:
+    """`config` with k prompt-lookup drafts per step (k = 0: plain decoding), its lookup sizes or the defaults."""
+    config = engine_config(config)
+    if not k:
+        return replace(config, speculative=None)
+    return replace(config, speculative=replace(config.speculative or SpeculativeConfig(), num_speculative_tokens=k))
+
+
+def run_group(model: Llama, prompts: Sequence[list[int]], max_tokens: int, k: int,
+              config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter,
+              ) -> list[tuple[list[int], int, int, int, float]]:
+    """The prompts as requests running together through one engine, greedy, plain (k=0) or with k drafts. Per
+    request: (tokens, forwards after its prefill, drafts proposed, accepted, seconds from first token to last)."""
+    engine = LLMEngine(model, config=with_drafts(config, k), clock=clock)
+    _, reqs = run_requests(engine, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts))
+    prompt_len = {r.seq_id: r.num_prompt_tokens for r in reqs}
+    forwards = Counter(seq for step in engine.history for seq, first, _ in step.scheduled if first >= prompt_len[seq])
+    return [(r.output_token_ids, forwards[r.seq_id], r.num_draft_tokens, r.num_accepted_tokens,
+             r.token_times[-1] - r.token_times[0]) for r in reqs]
+
+
+def run_once(model: Llama, ids: list[int], max_tokens: int, k: int, config: EngineConfig | None = None,
              clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], int, int, int, float]:
-    """One greedy generation through the engine, plain (k=0) or speculative with k drafts: (tokens, forwards
-    after the prefill, proposed, accepted, decode seconds)."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    spec = SpeculativeConfig("ngram", k, config.prompt_lookup_max, config.prompt_lookup_min) if k else None
-    engine = one_request_engine(model, None, len(ids), params, spec)
-    engine.add_request(ids, params)
-    tokens, times = [], []
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            tokens += out.new_token_ids
-            times.append(clock())
-    steps = list(engine.history)[1:]  # the forwards after the prefill
-    return (tokens, len(steps), sum(s.num_draft_tokens for s in steps), sum(s.num_accepted_tokens for s in steps),
-            times[-1] - times[0])
+    """One request alone: `run_group` of one."""
+    return run_group(model, [ids], max_tokens, k, config, clock)[0]
 
 
 def time_steps(model: Llama, context: int, rows: Iterable[int], reps: int,
@@ -123,20 +132,18 @@ def time_steps(model: Llama, context: int, rows: Iterable[int], reps: int,
             if rep:
                 times[m].append(clock() - t0)
             session.manager.truncate(session.table, context)
-    out = {m: statistics.median(ts) for m, ts in times.items()}
     session.free()
-    return out
-
-
-# ---- summaries (pure: the notebook and the tests call these) -------------------------------------------
+    return {m: statistics.median(ts) for m, ts in times.items()}
 
 
 @dataclass(frozen=True)
-class Summary:
-    """One task and method over its prompts: acceptance, tokens per forward, decode tok/s (median over rounds)
-    and its ratio to plain decoding's in the same round (median over rounds)."""
+class SpecSummary:
+    """One task, concurrency and method over its requests: acceptance, tokens per forward, a request's decode
+    tok/s (median over rounds) and its ratio to plain decoding's at the same concurrency in the same round
+    (median over rounds), and whether every token equals plain greedy's."""
 
     task: str
+    concurrency: int
     method: str
     k: int
     new_tokens: int
@@ -147,127 +154,107 @@ class Summary:
     same_as_plain: bool
 
 
-def summarize(records: Sequence[RunRecord]) -> list[Summary]:
-    """Per task and method: counts from round 0 (every round computes the same tokens), tok/s per round
-    summed over the task's prompts, and per-round ratios to plain, each reduced to its median."""
+def summarize(records: Sequence[RunRecord]) -> list[SpecSummary]:
+    """Per task, concurrency and method: counts from the first round (every round computes the same tokens), tok/s
+    per round over the requests together, and per-round ratios to plain, each reduced to its median. Plain greedy's
+    tokens are plain's at the lowest concurrency, same round and prompt."""
     out = []
     rounds = sorted({r.round for r in records})
-    for task in dict.fromkeys(r.task for r in records):
-        plain = {p.round * 1000 + p.prompt: p for p in records if p.task == task and p.method == "plain"}
-        plain_rate = {rd: _rate([p for p in plain.values() if p.round == rd]) for rd in rounds}
-        for method in dict.fromkeys(r.method for r in records if r.task == task):
-            rs = [r for r in records if r.task == task and r.method == method]
-            first = [r for r in rs if r.round == rounds[0]]
-            rate = {rd: _rate([r for r in rs if r.round == rd]) for rd in rounds}
-            proposed = sum(r.proposed for r in first)
-            out.append(Summary(
-                task, method, first[0].k, sum(r.new_tokens for r in first),
-                sum(r.accepted for r in first) / proposed if proposed else 0.0,
-                sum(r.new_tokens - 1 for r in first) / max(1, sum(r.forwards for r in first)),
-                statistics.median(rate.values()), statistics.median(rate[rd] / plain_rate[rd] for rd in rounds),
-                all(r.token_ids == plain[r.round * 1000 + r.prompt].token_ids for r in rs)))
+    low = min(r.concurrency for r in records)
+    greedy = {(r.round, r.task, r.prompt): r.token_ids for r in records if r.method == "plain" and r.concurrency == low}
+    groups: dict[tuple[str, int, str], list[RunRecord]] = {}
+    for r in records:
+        groups.setdefault((r.task, r.concurrency, r.method), []).append(r)
+    for (task, c, method), rs in groups.items():
+        rate = {rd: _rate([r for r in rs if r.round == rd]) for rd in rounds}
+        plain = {rd: _rate([r for r in groups.get((task, c, "plain"), []) if r.round == rd]) for rd in rounds}
+        first = [r for r in rs if r.round == rounds[0]]
+        proposed = sum(r.proposed for r in first)
+        out.append(SpecSummary(
+            task, c, method, first[0].k, sum(r.new_tokens for r in first),
+            sum(r.accepted for r in first) / proposed if proposed else 0.0,
+            sum(r.new_tokens - 1 for r in first) / max(1, sum(r.forwards for r in first)),
+            statistics.median(rate.values()), statistics.median(rate[rd] / plain[rd] for rd in rounds),
+            all(r.token_ids == greedy.get((r.round, r.task, r.prompt)) for r in rs)))
     return out
 
 
 def _rate(rs: Sequence[RunRecord]) -> float:
-    """Decode tok/s of several generations together: their tokens after the first over their decode time."""
-    return sum(r.new_tokens - 1 for r in rs) / sum(r.decode_s for r in rs)
+    """A request's decode tok/s over several: their tokens after the first over their decode time (nan: none)."""
+    seconds = sum(r.decode_s for r in rs)
+    return sum(r.new_tokens - 1 for r in rs) / seconds if seconds else float("nan")
 
 
-def step_costs(steps: Sequence[StepRecord]) -> dict[int, float]:
+def step_costs(steps: Sequence[ForwardTiming]) -> dict[int, float]:
     """rows -> a forward's time over the one-row forward's in the same round, median over rounds."""
-    rounds = sorted({s.round for s in steps})
     one = {s.round: s.step_s for s in steps if s.rows == 1}
-    rows = sorted({s.rows for s in steps})
     return {m: statistics.median(s.step_s / one[s.round] for s in steps if s.rows == m and s.round in one)
-            for m in rows if rounds}
+            for m in sorted({s.rows for s in steps})}
 
-
-# ---- the CSV -------------------------------------------------------------------------------------------
 
 RUN_FIELDS = [f.name for f in fields(RunRecord)]
 CSV_FIELDS = ["kind", *RUN_FIELDS, "rows", "context", "step_s"]
 
 
-def write_csv(path: str | Path, runs: Sequence[RunRecord], steps: Sequence[StepRecord], header: Sequence[str]) -> None:
-    """One table: kind "run" rows (a generation) and kind "step" rows (one forward's time by query rows)."""
-    with open(path, "w", newline="") as f:
-        f.write("\n".join(header) + "\n")
-        w = csv.DictWriter(f, CSV_FIELDS)
-        w.writeheader()
-        for r in runs:
-            w.writerow({"kind": "run", **vars(r), "decode_s": f"{r.decode_s:.5f}"})
-        for s in steps:
-            w.writerow({"kind": "step", "round": s.round, "rows": s.rows, "context": s.context,
-                        "step_s": f"{s.step_s:.6f}"})
+def write_csv(path: str | Path, runs: Sequence[RunRecord], steps: Sequence[ForwardTiming], meta: dict) -> Path:
+    """One table: kind "run" rows (a request of a run) and kind "step" rows (one forward's time by query rows)."""
+    rows = [{"kind": "run", **vars(r), "decode_s": f"{r.decode_s:.5f}"} for r in runs]
+    rows += [{"kind": "step", "round": s.round, "rows": s.rows, "context": s.context, "step_s": f"{s.step_s:.6f}"}
+             for s in steps]
+    return csvio.write_csv(path, rows, meta, CSV_FIELDS)
 
 
-def read_csv(path: str | Path) -> tuple[dict[str, str], list[RunRecord], list[StepRecord]]:
-    """A spec CSV: its header lines, its generations and its step timings."""
-    lines = [line for line in Path(path).read_text().splitlines() if not line.startswith("#")]
-    runs, steps = [], []
-    for row in csv.DictReader(lines):
-        if row["kind"] == "run":
-            runs.append(RunRecord(int(row["round"]), row["task"], int(row["prompt"]), row["method"], int(row["k"]),
-                                  int(row["prompt_tokens"]), int(row["new_tokens"]), int(row["forwards"]),
-                                  int(row["proposed"]), int(row["accepted"]), float(row["decode_s"]),
-                                  row["token_ids"]))
-        else:
-            steps.append(StepRecord(int(row["round"]), int(row["rows"]), int(row["context"]), float(row["step_s"])))
-    return read_header(path), runs, steps
-
-
-def print_table(summaries: Sequence[Summary], costs: dict[int, float]) -> None:
-    print(f"{'task':>5} {'method':>8} {'tokens':>6} {'accept':>6} {'tok/fwd':>7} {'tok/s':>6} {'x plain':>7} same")
-    for s in summaries:
-        print(f"{s.task:>5} {s.method:>8} {s.new_tokens:6d} {s.acceptance:6.2f} {s.tokens_per_forward:7.2f} "
-              f"{s.tok_s:6.1f} {s.speedup:7.2f} {'yes' if s.same_as_plain else 'NO'}")
-    print("one forward of m rows / one decode step: " + "  ".join(f"m={m}: {c:.2f}" for m, c in costs.items()))
-
-
-# ---- the command ---------------------------------------------------------------------------------------
+def read_csv(path: str | Path) -> tuple[dict[str, str], list[RunRecord], list[ForwardTiming]]:
+    """A spec CSV: its header lines, its requests (concurrency 1 where an older CSV has no such column), its steps."""
+    meta, rows = csvio.read_csv(path)
+    runs = csvio.records(RunRecord, [r for r in rows if r["kind"] == "run"])
+    return meta, runs, csvio.records(ForwardTiming, [r for r in rows if r["kind"] == "step"])
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5, 8], help="num_speculative_tokens values to run")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8], help="requests running together")
     ap.add_argument("--lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max)
     ap.add_argument("--lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed forwards")
     ap.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9])
-    add_common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH, engine=True)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    use_threads(args)
+    start(args)
     from ..loader import load
 
     model, tok = load()
     prompts = prompt_ids(tok)
-    config = SpeculativeConfig("ngram", max(args.k), args.lookup_max, args.lookup_min)
+    spec = SpeculativeConfig("ngram", max(args.k), args.lookup_max, args.lookup_min)
+    config = replace(engine_config(args), speculative=spec)  # --k sets the drafts, run by run
     run_once(model, prompts["chat"][0], 8, 0, config)  # warm up both roads
     run_once(model, prompts["copy"][0], 8, max(args.k), config)
     runs: list[RunRecord] = []
-    steps: list[StepRecord] = []
+    steps: list[ForwardTiming] = []
     for rd in range(args.rounds):
         t0 = time.perf_counter()
         for task, ids_list in prompts.items():
-            for i, ids in enumerate(ids_list):
-                for k in [0, *args.k]:
-                    toks, fwd, prop, acc, dt = run_once(model, ids, args.max_tokens, k, config)
-                    runs.append(RunRecord(rd, task, i, f"spec-k{k}" if k else "plain", k, len(ids), len(toks), fwd,
-                                          prop, acc, dt, " ".join(map(str, toks))))
+            for c in args.concurrency:  # every prompt, c at a time, cycled to fill the last group
+                slots = [i % len(ids_list) for i in range(-(-len(ids_list) // c) * c)]
+                for group in [slots[j:j + c] for j in range(0, len(slots), c)]:
+                    for k in [0, *args.k]:
+                        out = run_group(model, [ids_list[i] for i in group], args.max_tokens, k, config)
+                        runs += [RunRecord(rd, task, i, f"spec-k{k}" if k else "plain", k, len(ids_list[i]), len(toks),
+                                           fwd, prop, acc, dt, " ".join(map(str, toks)), c)
+                                 for i, (toks, fwd, prop, acc, dt) in zip(group, out)]
         for m, s in time_steps(model, args.context, args.step_rows, reps=5).items():
-            steps.append(StepRecord(rd, m, args.context, s))
+            steps.append(ForwardTiming(rd, m, args.context, s))
         print(f"round {rd}: {time.perf_counter() - t0:5.1f} s", flush=True)
-    header = csv_header(command_line(argv), max_tokens=args.max_tokens, prompt_lookup_max=args.lookup_max,
-                        prompt_lookup_min=args.lookup_min, rounds=args.rounds,
-                        tasks=" | ".join(f"{t}: {len(v)} prompts" for t, v in TASKS.items()))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(args.out, runs, steps, header)
-    _, runs, steps = read_csv(args.out)
-    print("\n".join(header))
-    print_table(summarize(runs), step_costs(steps))
-    print(f"-> {args.out}")
-    return 0
+    summaries = summarize(runs)
+    meta = csv_header(argv, max_tokens=args.max_tokens, prompt_lookup_max=args.lookup_max,
+                      prompt_lookup_min=args.lookup_min, rounds=args.rounds, concurrency=args.concurrency,
+                      tasks=" | ".join(f"{t}: {len(v)} prompts" for t, v in TASKS.items()),
+                      same_tokens_as_plain=all(s.same_as_plain for s in summaries))
+    _, runs, steps = read_csv(write_csv(args.out, runs, steps, meta))
+    print("one forward of m rows / one decode step: " + "  ".join(f"m={m}: {c:.2f}" for m, c in
+                                                                  step_costs(steps).items()))
+    return report(args.out, meta, [vars(s) for s in summarize(runs)])

@@ -1,21 +1,11 @@
-"""Timing a generation the way serving benchmarks do, with the clock injected.
-
-This module is stdlib-only on purpose: it never imports torch, so every number
-it derives can be pinned in a unit test with a fake clock, and the runner that
-stands up the real model only has to call `start()`, `token()` and `finish()`.
-
-The vocabulary is vLLM's (`benchmarks/benchmark_serving.py`):
-
-- TTFT, time to first token: from the request starting to its first token.
-- TPOT, time per output token: (latency - TTFT) / (output_len - 1), the
-  decode-phase pace once the prefill is paid.
-- ITL, inter-token latency: the gaps between consecutive tokens.
+"""Timing generation the way serving benchmarks do, with the clock injected (stdlib only: every number it
+derives can be pinned in a unit test with a fake clock). The vocabulary is vLLM's: TTFT, time to first token;
+TPOT, time per output token, (latency - TTFT) / (output_len - 1), the decode pace once the prefill is paid;
+ITL, the gaps between consecutive tokens.
 
 >>> t = RequestTiming(start=0.0, token_times=(0.5, 0.7, 0.9), end=1.0)
->>> t.ttft, t.latency, t.tpot
-(0.5, 1.0, 0.25)
->>> [round(gap, 6) for gap in t.itl]
-[0.2, 0.2]
+>>> t.ttft, t.latency, t.tpot, [round(gap, 6) for gap in t.itl]
+(0.5, 1.0, 0.25, [0.2, 0.2])
 """
 
 from __future__ import annotations
@@ -23,23 +13,22 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 Clock = Callable[[], float]
 """Anything that returns seconds as a float: `time.perf_counter` or a fake in tests."""
 
 DEFAULT_CLOCK: Clock = time.perf_counter
+K, T = TypeVar("K"), TypeVar("T")
 
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """Absolute clock readings for one request: when it started, each token, when it ended.
-
-    Readings are kept raw and every metric is derived, so TTFT, TPOT and ITL can
-    never disagree about what they were computed from. A request that emitted no
-    token has no TTFT, so it is rejected here rather than reported as zero.
-    """
+    """Absolute clock readings for one request: when it started, each token, when it ended. Every metric is
+    derived from them, so TTFT, TPOT and ITL never disagree; a request without tokens has no TTFT, so it is
+    refused rather than reported as zero."""
 
     start: float
     token_times: tuple[float, ...]
@@ -57,7 +46,6 @@ class RequestTiming:
 
     @property
     def first_token(self) -> float:
-        """Clock reading when the first token was emitted."""
         return self.token_times[0]
 
     @property
@@ -66,41 +54,30 @@ class RequestTiming:
 
     @property
     def ttft(self) -> float:
-        """Time to first token: the wait a user sees before anything streams."""
         return self.first_token - self.start
 
     @property
     def latency(self) -> float:
-        """End-to-end time, start to finish."""
         return self.end - self.start
 
     @property
     def tpot(self) -> float | None:
-        """vLLM's time per output token, (latency - ttft) / (output_len - 1).
-
-        None for a one-token request: there is no decode phase to average over,
-        and vLLM leaves such requests out of its TPOT statistics instead of
-        counting them as zero. Uses `end`, not the last token, so any work after
-        the last token (detokenizing, freeing) is charged to the decode pace.
-        """
-        if self.output_len == 1:
-            return None
-        return (self.latency - self.ttft) / (self.output_len - 1)
+        """vLLM's (latency - ttft) / (output_len - 1): `end` charges work after the last token to the decode
+        pace. None for a one-token request, which vLLM leaves out of TPOT rather than counting as zero."""
+        return None if self.output_len == 1 else (self.latency - self.ttft) / (self.output_len - 1)
 
     @property
     def itl(self) -> list[float]:
-        """Inter-token latencies: output_len - 1 gaps, empty for a one-token request."""
+        """Inter-token latencies: output_len - 1 gaps."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 class StreamTimer:
-    """Records a `RequestTiming` around a real generation loop.
+    """Records a `RequestTiming` around a real generation loop: `start()`, `token()` per token, `finish()`.
 
     >>> ticks = iter([0.0, 0.3, 0.4, 0.6])
     >>> timer = StreamTimer(clock=lambda: next(ticks))
-    >>> timer.start()
-    >>> timer.token(); timer.token()
-    >>> timer.finish().ttft
+    >>> timer.start(); timer.token(); timer.token(); timer.finish().ttft
     0.3
     """
 
@@ -110,19 +87,16 @@ class StreamTimer:
         self._tokens: list[float] = []
 
     def start(self) -> None:
-        """Call just before the request's work begins (before the prefill)."""
         if self._start is not None:
             raise RuntimeError("StreamTimer.start() called twice; use a new timer per request")
         self._start = self.clock()
 
     def token(self) -> None:
-        """Call once per emitted token, as soon as it exists."""
         if self._start is None:
             raise RuntimeError("StreamTimer.token() before start()")
         self._tokens.append(self.clock())
 
     def finish(self) -> RequestTiming:
-        """Read the clock one last time and return the request's timing."""
         if self._start is None:
             raise RuntimeError("StreamTimer.finish() before start()")
         if not self._tokens:
@@ -130,34 +104,51 @@ class StreamTimer:
         return RequestTiming(start=self._start, token_times=tuple(self._tokens), end=self.clock())
 
 
-def time_callable(fn: Callable[[], object], repeats: int, warmup: int = 1,
-                  clock: Clock = DEFAULT_CLOCK) -> list[float]:
-    """Call `fn` `warmup` times untimed, then `repeats` times timed; return each duration.
-
-    Warmup runs absorb one-off costs (allocator growth, lazy init) that would
-    otherwise land in the first sample. Summarize the result with `summarize`.
-    """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
-    for _ in range(warmup):
-        fn()
-    durations = []
+def interleaved(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1, clock: Clock = DEFAULT_CLOCK,
+                before: Callable[[Callable[[], object]], object] | None = None) -> list[list[float]]:
+    """Time each fn `repeats` times round-robin (a, b, c, a, b, c, ...) after `warmup` untimed rounds, so drift
+    on a shared machine falls on every fn alike; `before(fn)` runs untimed ahead of each timed call of fn (a
+    cache flush, or fn itself to time it warm). One list of durations per fn (`summarize` each)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):  # one-off costs (allocator growth, lazy init) stay out of the first sample
+        for fn in fns:
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
+        for fn, durations in zip(fns, samples):
+            if before is not None:
+                before(fn)
+            t0 = clock()
+            fn()
+            durations.append(clock() - t0)
+    return samples
+
+
+def time_callable(fn: Callable[[], object], repeats: int, warmup: int = 1, clock: Clock = DEFAULT_CLOCK,
+                  ) -> list[float]:
+    """`interleaved` of one fn: `warmup` untimed calls, then each of `repeats` timed calls' duration."""
+    return interleaved([fn], repeats, warmup, clock)[0]
+
+
+def rounds(jobs: Mapping[K, Callable[[], T]], n: int, clock: Clock = DEFAULT_CLOCK,
+           log: Callable[[str], object] | None = None) -> dict[K, list[T]]:
+    """Every job once per round, `n` rounds, so a shared machine's slow minute falls on every job alike: each
+    job's results, in round order (`log` hears how long each round took)."""
+    out: dict[K, list[T]] = {key: [] for key in jobs}
+    for r in range(n):
         t0 = clock()
-        fn()
-        durations.append(clock() - t0)
-    return durations
+        for key, job in jobs.items():
+            out[key].append(job())
+        if log is not None:
+            log(f"round {r}: {clock() - t0:.1f} s")
+    return out
 
 
 @dataclass(frozen=True)
 class Summary:
-    """Robust summary of repeated measurements. Report the median; p10..p90 shows the spread.
-
-    Percentiles interpolate linearly between order statistics (numpy's default),
-    so they always lie within [min, max].
-    """
+    """Repeated measurements: report the median; p10..p90 (linear between order statistics, numpy's default,
+    so within [min, max]) shows the spread."""
 
     n: int
     median: float
@@ -183,10 +174,7 @@ def summarize(values: Sequence[float]) -> Summary:
     values = [float(v) for v in values]
     if not values:
         raise ValueError("cannot summarize zero measurements")
-    if len(values) == 1:
-        p10 = p90 = values[0]
-    else:
-        deciles = statistics.quantiles(values, n=10, method="inclusive")
-        p10, p90 = deciles[0], deciles[-1]
+    p10, p90 = (statistics.quantiles(values, n=10, method="inclusive")[::8] if len(values) > 1
+                else (values[0], values[0]))
     return Summary(n=len(values), median=statistics.median(values), mean=statistics.fmean(values),
                    p10=p10, p90=p90, min=min(values), max=max(values))

@@ -3,33 +3,33 @@ asserted)."""
 
 import pytest
 
-from nanoserve.bench.arrivals import Replay, goodput_under, read_requests, read_summary, replay_engine, write_csvs
-from nanoserve.bench.engine import Workload
+from nanoserve.bench.arrivals import (
+    Replay,
+    goodput_under,
+    read_requests,
+    read_summary,
+    replay_engine,
+    requests_path,
+    write_csvs,
+)
+from nanoserve.bench.harness import Workload, greedy, run_requests
 from nanoserve.bench.serving import SLO
 from nanoserve.bench.timing import RequestTiming
-from nanoserve.engine import LLMEngine, SchedulerConfig
+from nanoserve.engine import LLMEngine
 
 
 def test_a_replayed_trace_gives_every_request_its_tokens_and_frees_the_pool(tiny_model):
     w = Workload("t", [[5, 6, 7], [8] * 9, [9, 10], [3] * 20], [2, 6, 4, 3])
-    engine = LLMEngine(tiny_model, config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8), num_blocks=32)
+    engine = LLMEngine(tiny_model, max_num_seqs=4, max_num_batched_tokens=8, num_blocks=32)
     r = replay_engine(engine, w, [0.0, 0.0, 0.05, 0.1], rate=2.0)
     assert [len(t) for t in r.tokens] == [2, 6, 4, 3] and [t.output_len for t in r.timings] == [2, 6, 4, 3]
     assert r.timings[2].start - r.timings[0].start == pytest.approx(0.05)  # each clock starts at its arrival
     assert all(t.ttft >= 0 for t in r.timings)
-    offline = LLMEngine(tiny_model, config=SchedulerConfig(max_num_seqs=4), num_blocks=32)
-    ids = [offline.add_request(p, _greedy(n)) for p, n in zip(w.prompts, w.max_tokens)]
-    while offline.has_unfinished_requests():
-        offline.step()
-    assert r.tokens == [offline.requests[i].output_token_ids for i in ids]
+    offline = LLMEngine(tiny_model, max_num_seqs=4, num_blocks=32)
+    _, reqs = run_requests(offline, w.prompts, [greedy(n) for n in w.max_tokens])  # all at once
+    assert r.tokens == [q.output_token_ids for q in reqs]
     assert not engine.requests  # the replay takes its requests out of the engine
     engine.check_idle()
-
-
-def _greedy(n):
-    from nanoserve import SamplingParams
-
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 
 def test_csvs_round_trip_and_goodput_can_be_recomputed_under_another_slo(tmp_path):
@@ -40,12 +40,14 @@ def test_csvs_round_trip_and_goodput_can_be_recomputed_under_another_slo(tmp_pat
                    [[1, 2, 3], [4, 5]])]
     slo = SLO(ttft_s=3.0, tpot_s=0.25)
     out = tmp_path / "arr.csv"
-    write_csvs(out, runs, w, slo, ["# command: test"])
+    write_csvs(out, runs, w, slo, {"command": "test"})
     meta, summary = read_summary(out)
     assert meta == {"command": "test"} and [r["system"] for r in summary] == ["a", "b"]
+    assert requests_path(out).name == "arr-requests.csv" and summary[0]["completed"] == 2.0
     assert summary[0]["good"] == 1 and summary[1]["good"] == 2
     requests = read_requests(out)
     assert len(requests) == 4 and requests[1]["ttft_s"] == 3.5 and requests[1]["met_slo"] == 0
+    assert (requests[0]["tpot_s"], requests[1]["tpot_s"]) == (0.2, 1.0)
     same = goodput_under(summary, requests, slo)
     assert same[("a", 1.0)] == pytest.approx(summary[0]["goodput"], rel=1e-3)
     loose = goodput_under(summary, requests, SLO(ttft_s=10.0, tpot_s=1.0))

@@ -236,8 +236,8 @@ def test_csv_round_trip(tmp_path):
     runs = [("blocking", seed_blocking_timing()),
             ("uniform", BatchTiming(prefill_s=0.1, step_s=[0.279, 0.281], row_steps=[2]))]
     path = tmp_path / "day-29-batchbench.csv"
-    write_csv(path, runs, ["# command: python -m nanoserve bench batch", "machine: a box"])
-    assert read_csv(path) == runs  # the comment lines are skipped
+    write_csv(path, runs, {"command": "python -m nanoserve bench batch", "machine": "a box"})
+    assert read_csv(path) == ({"command": "python -m nanoserve bench batch", "machine": "a box"}, runs)
     lines = path.read_text().splitlines()
     assert lines[:2] == ["# command: python -m nanoserve bench batch", "# machine: a box"]
     with open(path, newline="") as f:

@@ -3,7 +3,7 @@
 import torch
 
 from nanoserve.bench import attention as ba
-from nanoserve.bench.machine import csv_header
+from nanoserve.bench.command import csv_header
 from nanoserve.bench.timing import summarize
 
 
@@ -28,11 +28,11 @@ def test_measure_and_the_csv_round_trip(compiled, tmp_path):
     assert [p.impl for p in points] == list(ba.IMPLS) and all(p.time.n == 5 for p in points)
     assert all(p.threads == torch.get_num_threads() for p in points)
     path = tmp_path / "a.csv"
-    ba.write_csv(path, points, csv_header("python -m nanoserve bench attention", split_keys=512))
+    ba.write_csv(path, points, csv_header(["bench", "attention"], split_keys=512))
     meta, rows = ba.read_csv(path)
     assert meta["command"] == "python -m nanoserve bench attention" and meta["split_keys"] == "512"
     kernel = next(r for r in rows if r["impl"] == "kernel")
-    assert kernel["x_kernel"] == 1.0 and kernel["moved_over_ideal"] == 1.0
+    assert kernel["x_kernel"] == 1.0 and kernel["moved_over_ideal"] == 1
     gather = next(r for r in rows if r["impl"] == "gather")
     assert gather["moved_over_ideal"] == 3 and gather["batch"] == 2 and gather["context"] == 40
 
@@ -42,11 +42,3 @@ def test_a_points_bandwidth_is_the_ideal_bytes_over_its_median():
     assert abs(p.gb_s - 2.0) < 1e-9
     row = p.row(summarize([0.001, 0.001, 0.001]))
     assert row["x_kernel"] == 2.0 and row["of_read_bw"] == 0.25
-
-
-def test_cold_interleaved_takes_turns_and_flushes_between_calls():
-    calls = []
-    ticks = iter(range(100))
-    samples = ba.cold_interleaved([lambda: calls.append("a"), lambda: calls.append("b")], 3, torch.ones(4),
-                                  clock=lambda: float(next(ticks)))
-    assert calls == ["a", "b"] * 3 and samples == [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]

@@ -5,18 +5,17 @@ import json
 
 import pytest
 
-from nanoserve.bench import batch as bench_batch
+from nanoserve.bench import harness
 from nanoserve.bench.batch import (
     PASSAGE,
+    PROMPTS,
     TORCH_OPS_LABEL,
     pooled_median,
-    read_meta,
     read_run,
     sweep_beside,
     sweep_prompt,
 )
 from nanoserve.bench.batchbench import BatchTiming, write_csv
-from nanoserve.bench.harness import PROMPTS
 from nanoserve.cli import main
 
 
@@ -35,12 +34,12 @@ def test_sweep_prompt_is_the_first_prompt_or_n_tokens_of_the_passage(tok):
 def test_read_meta_decodes_json_values(tmp_path):
     path = tmp_path / "b.csv"
     t = BatchTiming(prefill_s=0.5, step_s=[0.25, 0.25], row_steps=[2])
-    write_csv(path, [("nanoserve", t)], ["# command: python -m nanoserve bench batch", '# same: true',
-                                         '# peaks: [1.5, null]', "# machine: a | b"])
+    write_csv(path, [("nanoserve", t)], {"command": "python -m nanoserve bench batch", "same": True,
+                                         "peaks": [1.5, None], "machine": "a | b"})
     meta, runs = read_run(path)
     assert meta == {"command": "python -m nanoserve bench batch", "same": True, "peaks": [1.5, None],
                     "machine": "a | b"}
-    assert read_meta(path) == meta and runs == [("nanoserve", t)]
+    assert runs == [("nanoserve", t)]
 
 
 def test_pooled_median_pools_every_step_of_every_round():
@@ -51,13 +50,13 @@ def test_pooled_median_pools_every_step_of_every_round():
 def test_sweep_calls_before_round_ahead_of_each_round(model, prompt, monkeypatch):
     """The command measures the peak there, so each round's peak sits beside that round's steps."""
     events = []
-    real_sweep = bench_batch.sweep_batch_sizes
+    real_sweep = harness.sweep_batch_sizes
 
     def logged_sweep(model, prompt, sizes, *args, **kwargs):
         events.append(f"B={sizes[0]}")
         return real_sweep(model, prompt, sizes, *args, **kwargs)
 
-    monkeypatch.setattr(bench_batch, "sweep_batch_sizes", logged_sweep)
+    monkeypatch.setattr(harness, "sweep_batch_sizes", logged_sweep)
     runs = sweep_beside(model, None, prompt, [1, 2], steps=1, rounds=2,
                         before_round=lambda r: events.append(f"round {r}"))
     assert events == ["round 0", "B=1", "B=2", "round 1", "B=1", "B=2"]
@@ -67,13 +66,13 @@ def test_sweep_calls_before_round_ahead_of_each_round(model, prompt, monkeypatch
 def test_sweep_times_the_torch_ops_step_beside_the_compiled_one(model, prompt, monkeypatch):
     """Right after each of ours, in the same round: the A/B of what the compiled kernels buy."""
     events = []
-    real_sweep = bench_batch.sweep_batch_sizes
+    real_sweep = harness.sweep_batch_sizes
 
     def logged_sweep(model, prompt, sizes, *args, kernels=None, **kwargs):
         events.append(f"B={sizes[0]}" + (" ops" if kernels is False else ""))
         return real_sweep(model, prompt, sizes, *args, kernels=kernels, **kwargs)
 
-    monkeypatch.setattr(bench_batch, "sweep_batch_sizes", logged_sweep)
+    monkeypatch.setattr(harness, "sweep_batch_sizes", logged_sweep)
     runs = sweep_beside(model, None, prompt, [1, 4], steps=2, rounds=1, torch_ops=True)
     assert events == ["B=1", "B=1 ops", "B=4", "B=4 ops"]
     assert [len(runs.torch_ops[b]) for b in (1, 4)] == [1, 1]

@@ -1,16 +1,15 @@
-"""`python -m nanoserve bench paged`'s parts: the interleaved timer, the memory trace on a real BlockPool,
-the paged and contiguous sessions it compares, and its CSV."""
+"""`python -m nanoserve bench paged`'s parts: the memory trace on a real BlockPool, the paged and contiguous
+sessions it compares, the comparison on a fake clock, and its CSV."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from nanoserve.bench.machine import csv_header
+from nanoserve.bench.command import csv_header
 from nanoserve.bench.paged import (
     Comparison,
     contiguous_at,
-    interleaved,
     measure_context,
     paged_like,
     read_csv,
@@ -35,19 +34,13 @@ def test_utilisation_paged_wastes_under_one_block_per_request():
         assert p.paged_utilisation >= p.contiguous_utilisation
 
 
-def test_interleaved_round_robin_after_warmup():
-    calls = []
-    samples = interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3, warmup=1)
-    assert "".join(calls) == "abababab" and [len(s) for s in samples] == [3, 3]
-
-
 def test_the_paged_copy_holds_the_contiguous_sessions_kv(tiny_model):
     contiguous = contiguous_at(tiny_model, context=21, room=3)
     paged = paged_like(tiny_model, contiguous, block_size=4, room=3)
     assert paged.runner.attention == "reference"  # the gather is what the benchmark measures
     assert sorted(paged.table.blocks) != paged.table.blocks  # blocks drawn from a shuffled free list
     for layer in range(tiny_model.cfg.n_layers):
-        k, v = paged.cache.gather(layer, paged.table.blocks, 21)  # (21, K, D)
+        k, v = paged.runner.storage.gather(layer, paged.table.blocks, 21)  # (21, K, D)
         assert torch.equal(k, contiguous.cache.k[layer, 0, :, :21].transpose(0, 1))
         assert torch.equal(v, contiguous.cache.v[layer, 0, :, :21].transpose(0, 1))
 
@@ -63,10 +56,10 @@ def test_measure_context_compares_both_measures_at_every_block_size(tiny_model):
 def test_bench_csv_roundtrip(tmp_path):
     s = summarize([0.002, 0.001, 0.003])
     rows = [Comparison("step", 128, 16, s, summarize([0.004, 0.004, 0.004]))]
-    header = csv_header("python -m nanoserve bench paged", clock="wall")
+    header = csv_header(["bench", "paged"], clock="wall")
     write_csv(tmp_path / "b.csv", rows, header)
     meta, back = read_csv(tmp_path / "b.csv")
     assert meta["command"] == "python -m nanoserve bench paged" and meta["clock"] == "wall"
     assert "threads" in meta["machine"]
     assert back[0]["measure"] == "step" and back[0]["context"] == 128 and back[0]["ratio"] == 2.0
-    assert back[0]["contiguous_ms"] == 2.0 and back[0]["n"] == 3
+    assert back[0]["contiguous_ms"] == 2.0 and back[0]["n"] == 3 and back[0]["paged_p90_ms"] == 4.0

@@ -4,7 +4,7 @@ import pytest
 
 from nanoserve.bench.chunked import (
     LONG,
-    Run,
+    ScenarioRun,
     label_of,
     long_prompt,
     median_summaries,
@@ -17,15 +17,15 @@ from nanoserve.bench.chunked import (
     write_csv,
 )
 from nanoserve.cli import build_parser
-from nanoserve.engine import SchedulerConfig
+from nanoserve.config import EngineConfig, SchedulerConfig
 
 
-def fake_run(label="128", budget=128, chunked=True, round_=0, stall=1.0) -> Run:
+def fake_run(label="128", budget=128, chunked=True, round_=0, stall=1.0) -> ScenarioRun:
     """Two running requests ticking every 0.1 s; the long prompt arrives at t=0 and its first token comes at
     t=stall, in one step (the running requests wait that long too)."""
     before = [-0.3, -0.2, -0.1]
     short = before + [stall, stall + 0.1]
-    return Run(label, budget, chunked, round_,
+    return ScenarioRun(label, budget, chunked, round_,
                tokens={"0": [5, 6, 7, 8, 9], "1": [1, 2, 3, 4, 5], LONG: [7, 7]},
                steps={"0": [-3, -2, -1, 0, 1], "1": [-3, -2, -1, 0, 1], LONG: [0, 1]},
                times={"0": short, "1": list(short), LONG: [stall, stall + 0.1]})
@@ -65,7 +65,7 @@ def test_median_summaries_take_medians_per_config_and_sort_no_chunk_first():
 def test_csv_round_trip(tmp_path):
     runs = [fake_run(), fake_run("no-chunk", 2048, False)]
     path = tmp_path / "c.csv"
-    write_csv(path, runs, ["# command: python -m nanoserve bench chunked", "# rounds: 1"])
+    write_csv(path, runs, {"command": "python -m nanoserve bench chunked", "rounds": 1})
     meta, back = read_csv(path)
     assert meta == {"command": "python -m nanoserve bench chunked", "rounds": "1"}
     assert [(r.label, r.budget, r.chunked) for r in back] == [("128", 128, True), ("no-chunk", 2048, False)]
@@ -78,9 +78,9 @@ def test_scenario_on_the_tiny_model_counts_chunks_and_keeps_tokens(tiny_model):
     long = [(7 * j) % 200 + 3 for j in range(100)]
     whole = run_scenario(tiny_model, SchedulerConfig(max_num_batched_tokens=256, chunked_prefill=False), shorts, long,
                          short_tokens=30, long_tokens=3, warm=2)
-    chunked = run_scenario(tiny_model, SchedulerConfig(max_num_batched_tokens=23), shorts, long,
-                           short_tokens=30, long_tokens=3, warm=2)
-    assert label_of(SchedulerConfig(max_num_batched_tokens=23)) == chunked.label == "23"
+    config = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=23))
+    chunked = run_scenario(tiny_model, config, shorts, long, short_tokens=30, long_tokens=3, warm=2)
+    assert label_of(config) == chunked.label == "23" and label_of(SchedulerConfig(chunked_prefill=False)) == "no-chunk"
     assert summarize_run(whole).prefill_steps == 1
     assert summarize_run(chunked).prefill_steps == 5  # 3 decode tokens + 20 of the prompt a step
     assert all(s[0] < 0 for s in (whole.steps[r] for r in whole.short_ids))  # decoding before it arrived
@@ -98,4 +98,4 @@ def test_prompts_share_no_first_block(tok):
 
 def test_the_command_is_registered():
     args = build_parser().parse_args(["bench", "chunked", "--budgets", "64", "128", "--rounds", "1"])
-    assert (args.what, args.budgets, args.rounds) == ("chunked", [64, 128], 1)
+    assert (args.what, args.budgets, args.rounds, args.max_num_seqs) == ("chunked", [64, 128], 1, 32)

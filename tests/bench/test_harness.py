@@ -11,7 +11,7 @@ from nanoserve.bench.harness import (
     time_hf_generate,
     time_model_batch,
 )
-from nanoserve.engine import greedy_generate_batch
+from nanoserve.stages import greedy_generate_batch
 
 
 class TickClock:
@@ -66,12 +66,12 @@ def test_finished_rows_keep_their_blocks(model, prompts):
     run.prefill()
     for _ in range(20):
         run.step()
-    short, long = run.batch.kv.tables
+    short, long = run.kv.tables
     assert short.num_tokens == len(prompts[0]) + 20  # forwarded and cached to the end, tokens uncollected
     assert len(short.blocks) == -(-short.num_tokens // 4)
     assert [len(t) for t in run.tokens] == [2, 21]
-    run.free()
-    assert run.batch.kv.cache.pool.num_free == run.batch.kv.cache.num_blocks
+    run.kv.free()
+    assert run.kv.manager.pool.num_free == run.kv.manager.num_blocks
 
 
 def test_transformers_baseline_is_timed_per_step_and_agrees(model, hf_model, prompts):

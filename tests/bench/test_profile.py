@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import Counter
 
 import pytest
 import torch
 
-from nanoserve import kernels
 from nanoserve.bench.profile import (
     GROUPS,
     GroupRow,
     OpCall,
     flops_by_group,
-    format_table,
     profile_forward,
     summarize,
     weight_bytes_by_group,
@@ -67,16 +64,11 @@ def test_summarize_rejects_bad_input():
 PRODUCTS = {"linear", "onednn_linear", "embedding_bag", "matmul", "mm", "addmm", "bmm"}
 
 
-def on_road(road: str):
-    """The `road` fixture's name as a context: the default (compiled kernels) or `kernels.torch_ops()`."""
-    return contextlib.nullcontext() if road == "compiled" else kernels.torch_ops()
-
-
 @pytest.mark.parametrize("T", [1, 5])
 def test_profile_groups_every_matrix_product_by_its_weight(tiny_model, T, road):
     L = tiny_model.cfg.n_layers
-    with on_road(road):
-        rows, calls = profile_forward(tiny_model, torch.arange(1, T + 1)[None], repeats=2, clock=ticking_clock())
+    rows, calls = profile_forward(tiny_model, torch.arange(1, T + 1)[None], repeats=2, clock=ticking_clock(),
+                                  compiled=road == "compiled")
     products = Counter(c.group for c in calls if c.op in PRODUCTS)
     assert products == {"qkv": L, "o_proj": L, "mlp": 2 * L, "lm_head": 1}
     assert Counter(c.group for c in calls if c.op == "embedding") == {"embedding": 1}
@@ -92,8 +84,8 @@ def test_profile_groups_every_matrix_product_by_its_weight(tiny_model, T, road):
 
 
 def test_profile_sees_every_norm_and_rope(tiny_model, road):
-    with on_road(road):
-        _, calls = profile_forward(tiny_model, torch.tensor([[3, 1, 4, 1, 5, 9]]), repeats=1, warmup=0)
+    _, calls = profile_forward(tiny_model, torch.tensor([[3, 1, 4, 1, 5, 9]]), repeats=1, warmup=0,
+                               compiled=road == "compiled")
     groups = Counter(c.group for c in calls)
     L = tiny_model.cfg.n_layers
     assert groups["norms"] >= 2 * L + 1  # at least one op for each of two norms per block and the final one
@@ -139,14 +131,6 @@ def test_weight_bytes_by_group_adds_up(tiny_model):
     assert b["attention"] == b["rope"] == b["other"] == 0
     if cfg.tie_word_embeddings:  # every parameter once, plus the looked-up rows read a second time
         assert sum(b.values()) == tiny_model.weight_bytes() + n * cfg.hidden_size * per
-
-
-def test_format_table(tiny_model):
-    rows, _ = profile_forward(tiny_model, torch.tensor([[1, 2]]), repeats=1, clock=ticking_clock())
-    text = format_table(rows, weight_bytes_by_group(tiny_model, 2))
-    lines = text.splitlines()
-    assert lines[0].split() == ["group", "ms", "share", "calls", "weight", "MB"]
-    assert [ln.split()[0] for ln in lines[1:]] == list(GROUPS)
 
 
 def test_weight_rates():

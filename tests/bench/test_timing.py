@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 
 from nanoserve.bench import timing
-from nanoserve.bench.timing import RequestTiming, StreamTimer, Summary, summarize, time_callable
+from nanoserve.bench.timing import (
+    RequestTiming,
+    StreamTimer,
+    Summary,
+    interleaved,
+    rounds,
+    summarize,
+    time_callable,
+)
 
 PKG_DIR = Path(timing.__file__).resolve().parent.parent  # the nanoserve package folder
 
@@ -145,6 +153,29 @@ def test_time_callable_times_only_the_repeats():
     assert clock.reads == 4
 
 
+def test_interleaved_takes_turns_after_warmup_rounds_and_runs_before_untimed():
+    calls = []
+    clock = FakeClock(*[0.5, 0.25] * 6)
+    samples = interleaved([lambda: calls.append("a"), lambda: calls.append("b")], repeats=3, warmup=1, clock=clock,
+                          before=lambda fn: calls.append("flush"))
+    assert "".join(c[0] for c in calls) == "ab" + "fafb" * 3  # warm round, then before + timed call, in turns
+    assert samples == [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]] and clock.reads == 12  # two reads per timed call only
+
+
+def test_interleaved_before_gets_the_fn_so_a_call_can_be_timed_warm():
+    calls = []
+    interleaved([lambda: calls.append("a")], repeats=2, warmup=0, before=lambda fn: fn())
+    assert calls == ["a"] * 4
+
+
+def test_rounds_run_every_job_once_per_round_in_order():
+    calls, log = [], []
+    out = rounds({"x": lambda: calls.append("x") or len(calls), "y": lambda: calls.append("y") or len(calls)}, 2,
+                 clock=FakeClock(0.5, 0.25, 0.5), log=log.append)
+    assert calls == ["x", "y", "x", "y"] and out == {"x": [1, 3], "y": [2, 4]}
+    assert log == ["round 0: 0.5 s", "round 1: 0.5 s"]
+
+
 @pytest.mark.parametrize("repeats, warmup", [(0, 1), (-1, 0), (3, -1)])
 def test_time_callable_rejects_bad_counts(repeats, warmup):
     with pytest.raises(ValueError):
@@ -182,5 +213,6 @@ def test_docstring_examples():
     assert doctest.testmod(timing).failed == 0
 
 
-def test_timing_does_not_import_torch():
-    assert imports_of("bench.timing") == []
+@pytest.mark.parametrize("module", ["bench.timing", "bench.serving", "bench.csvio", "bench.batchbench"])
+def test_the_stdlib_cores_do_not_import_torch(module):
+    assert imports_of(module) == []

@@ -1,0 +1,82 @@
+"""What every `bench` command shares. A command is a module with `add_arguments(ap)` and `run(args, argv) -> int`:
+`add_arguments` calls `common_arguments` (--out, --threads, and where the command runs the engine, the engine's
+own options with EngineConfig's defaults); `run` calls `start(args)` first, and writes its CSV (`csvio`) under
+`csv_header(argv, ...)`: the command, the machine, the run's settings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig, SchedulerConfig
+from .machine import machine_line
+
+
+def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False) -> None:
+    """--out (where the CSV goes), --threads, and with `engine` the engine's options (`EngineConfig`)."""
+    ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    if engine:
+        EngineConfig.add_cli_arguments(ap)
+
+
+def start(args: argparse.Namespace) -> None:
+    """Set torch's threads if asked; warn when other work shares the machine (absolute numbers get noisy)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if busy > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
+              "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
+
+
+def engine_config(config: EngineConfig | SchedulerConfig | argparse.Namespace | None = None) -> EngineConfig:
+    """The engine's configuration from a command line, a SchedulerConfig (the rest default), or None (defaults)."""
+    if isinstance(config, argparse.Namespace):
+        return EngineConfig.from_cli(config)
+    if isinstance(config, SchedulerConfig):
+        return EngineConfig(scheduler=config)
+    return config if config is not None else EngineConfig()
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine's options as this command was given them, for a subprocess that takes them too (`serve`)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    EngineConfig.add_cli_arguments(ap)
+    out: list[str] = []
+    for action in ap._actions:
+        flag, value = action.option_strings[0], getattr(args, action.dest)
+        out += ([flag] if value else []) if action.nargs == 0 else [flag, str(value)]  # a switch, or an option
+    return out
+
+
+def command_line(argv: Sequence[str]) -> str:
+    """The command as a user types it: `python -m nanoserve ...`."""
+    return shlex.join(["python", "-m", "nanoserve", *argv])
+
+
+def csv_header(argv: Sequence[str], **extra: Any) -> dict[str, Any]:
+    """What a measured CSV opens with: its command, its machine, and the run's settings (`extra`)."""
+    return {"command": command_line(argv), "machine": machine_line(), **extra}
+
+
+def report(out: object, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
+           cols: Sequence[str] | None = None) -> int:
+    """Print the CSV's header and a table of `rows`, say where the CSV went; the command's exit code, 0."""
+    print("\n".join(f"{k}: {v}" for k, v in meta.items()))
+    print(f"{table(rows, cols)}\n-> {out}")
+    return 0
+
+
+def table(rows: Sequence[Mapping[str, Any]], cols: Sequence[str] | None = None) -> str:
+    """Rows as aligned text columns, floats to 4 significant digits."""
+    cols = list(cols or (rows[0] if rows else []))
+    cells = [[f"{r[c]:.4g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(line, widths)) for line in [cols, *cells])

@@ -1,0 +1,88 @@
+"""A measured CSV under data/: `# key: value` lines (the command, the machine, the run's settings), then a table.
+
+Every bench command writes and reads its CSV here, so the header has one format and one parser. Stdlib only,
+like `timing`: the stdlib cores write through it too.
+
+>>> import os, tempfile
+>>> path = write_csv(os.path.join(tempfile.mkdtemp(), "x.csv"), [{"impl": "kernel", "ms": 0.5, "n": 30}],
+...                  {"command": "python -m nanoserve bench x", "same": True})
+>>> read_csv(path, parse=True)
+({'command': 'python -m nanoserve bench x', 'same': 'true'}, [{'impl': 'kernel', 'ms': 0.5, 'n': 30}])
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def write_csv(path: str | Path, rows: Iterable[Mapping[str, Any] | Any], meta: Mapping[str, Any] | None = None,
+              fields: Sequence[str] | None = None) -> Path:
+    """`meta` as `# key: value` lines (text as it is, anything else as JSON), then `rows` (dicts or dataclasses)
+    under `fields` (default: the first row's keys; a row without a field leaves it empty). Makes the folder."""
+    rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
+    fields = list(fields or (rows[0] if rows else []))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        for key, value in (meta or {}).items():
+            text = value if isinstance(value, str) else json.dumps(value)
+            f.write(f"# {key}: {' '.join(text.splitlines())}\n")
+        writer = csv.DictWriter(f, fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def read_csv(path: str | Path, parse: bool = False) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """The `# key: value` lines above the table (values as text) and the table's rows: as text, or with `parse`
+    each value that reads as a number a number (`number`)."""
+    meta: dict[str, str] = {}
+    lines: list[str] = []
+    with open(path, newline="") as f:
+        for line in f:
+            if line.startswith("#") and not lines:
+                key, _, value = line[1:].strip().partition(": ")
+                meta[key] = value
+            elif line.strip():
+                lines.append(line)
+    rows = list(csv.DictReader(lines))
+    if parse:
+        rows = [{k: number(v) for k, v in r.items()} for r in rows]
+    return meta, rows
+
+
+def number(text: str) -> int | float | str | None:
+    """'3' -> 3, '0.25' -> 0.25, 'inf' -> inf, '' -> None; other text stays text."""
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def decoded(meta: Mapping[str, str]) -> dict[str, Any]:
+    """Header values JSON-decoded where they are JSON (numbers, lists, true, null), the rest as text."""
+    out: dict[str, Any] = {}
+    for key, value in meta.items():
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def records(cls: type, rows: Iterable[Mapping[str, str]]) -> list:
+    """Text rows as instances of the dataclass `cls`, each field cast by its annotation (str, int, float, bool);
+    a column an older CSV lacks takes the field's default."""
+    casts = {"str": str, "int": int, "float": float, "bool": lambda v: v in ("1", "true", "True")}
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    return [cls(**{f.name: casts[str(f.type)](r[f.name]) for f in fields if r.get(f.name) is not None})
+            for r in rows]
