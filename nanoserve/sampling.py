@@ -1,16 +1,20 @@
 """Choosing the next token from logits (Day 09).
 
 `SamplingParams` has vLLM's names. Each filter reshapes the distribution the way
-the field means it: repetition penalty (CTRL / transformers: positive logits of
-seen tokens divided by the penalty, negative ones multiplied), temperature,
-top-k (keep the k most likely), top-p (keep the smallest set whose mass reaches
-p), min-p (drop tokens below min_p x the top probability). Temperature 0 (or below
-`GREEDY_BELOW`) is the greedy path: argmax, no randomness, no generator touched.
+the field means it: a grammar's mask (structured outputs: forbidden tokens at -inf),
+repetition penalty (CTRL / transformers: positive logits of generated and prompt
+tokens divided by the penalty, negative ones multiplied), presence and frequency
+penalties (OpenAI's: minus presence for a token generated at all, minus frequency per
+time), temperature, top-k (keep the k most likely), top-p (keep the smallest set whose
+mass reaches p), min-p (drop tokens below min_p x the top probability). Temperature 0
+(or below `GREEDY_BELOW`) is the greedy path: argmax, no randomness, no generator touched.
 
 `sample` chooses for every row of a step at once: greedy and sampled rows, each with
 its own parameters and its own seeded generator (`RowSampler`), so a sequence's tokens
 do not depend on the rows beside it. `filtered_probs` is one row's distribution, the
-same arithmetic, for the notebooks' sliders and the statistical test.
+same arithmetic, for the notebooks' sliders and the statistical test. `logprobs_of` is
+what a request asking for log-probabilities gets: the log-softmax of the step's logits
+as the model produced them, before any of the above.
 """
 
 from __future__ import annotations
@@ -23,11 +27,14 @@ import torch
 from torch import Tensor
 
 from . import kernels
+from .structured import StructuredOutputsParams, apply_bitmask_
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy: logits / 1e-300 would be inf, and the step's probabilities NaN."""
 
 SEED_BITS = 64
+MAX_LOGPROBS = 20
+"""The most log-probabilities a request may ask for per token (vLLM's default max_logprobs)."""
 
 
 @dataclass
@@ -45,10 +52,17 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # the sampled token's log-probability and this many of the likeliest
+    prompt_logprobs: int | None = None  # the same for every prompt token (after the first)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, bool)  # noqa: E731 (numpy's too)
         whole = lambda x: isinstance(x, numbers.Integral) and not isinstance(x, bool)  # noqa: E731
         t, k, p, m, r = self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
@@ -57,7 +71,11 @@ class SamplingParams:
             ("top_k", lambda: whole(k) and (k == -1 or k >= 0), "must be an int >= 0, or -1 for off"),
             ("top_p", lambda: real(p) and 0.0 < p <= 1.0, "must be a number in (0, 1]"),
             ("min_p", lambda: real(m) and 0.0 <= m <= 1.0, "must be a number in [0, 1]"),
-            ("repetition_penalty", lambda: real(r) and r > 0, "must be a number > 0 (1 means off)"),
+            ("repetition_penalty", lambda: real(r) and 0.01 <= r <= 10, "must be a number in [0.01, 10] (1 means off)"),
+            ("presence_penalty", lambda: real(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "must be a number in [-2, 2]"),
+            ("frequency_penalty", lambda: real(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "must be a number in [-2, 2]"),
             ("seed", lambda: self.seed is None or (whole(self.seed) and -(1 << 63) <= self.seed < (1 << SEED_BITS)),
              "must be an int that fits in 64 bits, or None"),
             ("max_tokens", lambda: whole(self.max_tokens) and self.max_tokens >= 1, "must be an int >= 1"),
@@ -65,6 +83,13 @@ class SamplingParams:
             ("stop", lambda: all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", lambda: all(whole(i) and i >= 0 for i in self.stop_token_ids),
              "must be token ids (ints >= 0)"),
+            ("logprobs", lambda: self.logprobs is None or (whole(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"must be an int in [0, {MAX_LOGPROBS}], or None"),
+            ("prompt_logprobs", lambda: self.prompt_logprobs is None
+             or (whole(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             f"must be an int in [0, {MAX_LOGPROBS}], or None"),
+            ("structured_outputs", lambda: self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputsParams), "must be StructuredOutputsParams"),
         ]
         for name, ok, why in checks:
             if not ok():
@@ -76,9 +101,13 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def plain_greedy(self) -> bool:
-        """Argmax of the logits as they come: nothing reshapes them first."""
-        return self.greedy and self.repetition_penalty == 1.0
+        """Argmax of the logits as they come: nothing reshapes them first (a grammar's mask included)."""
+        return self.greedy and not self.penalized and self.structured_outputs is None
 
 
 ARGMAX_CHUNK = 1024
@@ -119,6 +148,16 @@ def _penalize(row: Tensor, seen: Sequence[int], penalty: float) -> Tensor:
     return row
 
 
+def _penalize_all(row: Tensor, params: SamplingParams, seen: Sequence[int], generated: Sequence[int]) -> None:
+    """Every penalty a row asks for, in place on its logits (V,): repetition over the prompt and the output
+    (`seen`), presence and frequency over the output alone (`generated`), as OpenAI defines them."""
+    if params.repetition_penalty != 1.0 and len(seen):
+        _penalize(row, seen, params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(generated):
+        ids, counts = torch.tensor(list(generated), dtype=torch.long).unique(return_counts=True)
+        row[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(row.dtype)
+
+
 def _shape(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     """Sampled rows' logits x (R, V), penalties already applied, -> their unnormalised probabilities (R, V):
     temperature, top-k, softmax, top-p, min-p, each row with its own parameters."""
@@ -142,10 +181,12 @@ def _shape(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     return probs
 
 
-def filtered_probs(logits: Tensor, params: SamplingParams, seen: Sequence[int] = ()) -> Tensor:
+def filtered_probs(logits: Tensor, params: SamplingParams, seen: Sequence[int] = (),
+                   generated: Sequence[int] = ()) -> Tensor:
     """The distribution one sampled token is drawn from: logits (V,) -> probabilities (V,), by the very
     arithmetic `sample` runs. With a greedy temperature it is one-hot on the (penalised) argmax."""
-    x = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
+    x = logits.float().clone()
+    _penalize_all(x, params, seen, generated)
     if params.greedy:
         return torch.nn.functional.one_hot(x.argmax(), x.shape[-1]).float()
     probs = _shape(x[None], [params])[0]
@@ -177,39 +218,65 @@ INVALID = -1
 
 
 def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[int]] | None = None,
-           compiled: bool | None = None) -> list[int]:
+           compiled: bool | None = None, generated: Sequence[Sequence[int]] | None = None,
+           masks: dict[int, Tensor] | None = None) -> list[int]:
     """Choose the next token of every row of `logits` (R, V) in one call: plain greedy rows by argmax
-    together, the others (penalties, temperature, top-k/p, min-p) as one (r, V) batch, each sampled row
-    drawn from its own generator by the inverse of its distribution's CDF. `seen[i]`: row i's tokens so far
-    (the repetition penalty reads them). A row that cannot be sampled gets `INVALID`, the others go on."""
+    together, the others (a grammar's mask, penalties, temperature, top-k/p, min-p) as one (r, V) batch,
+    each sampled row drawn from its own generator by the inverse of its distribution's CDF.
+    `seen[i]`: row i's tokens so far (the repetition penalty reads them), `generated[i]` its output alone
+    (presence and frequency), `masks[i]`: row i's allowed tokens as a bitmask (`structured`). A row that
+    cannot be sampled (NaN logits, nothing allowed) gets `INVALID`, alone: the others go on."""
     R = logits.shape[0]
     if len(rows) != R:
         raise ValueError(f"{len(rows)} samplers for {R} rows of logits")
-    plain = [i for i, r in enumerate(rows) if r.params.plain_greedy]
+    masks = masks or {}
+    free = lambda i: rows[i].params.plain_greedy and i not in masks  # noqa: E731
+    plain = [i for i in range(R) if free(i)]
     if len(plain) == R:
         return argmax_rows(logits, compiled).tolist()
     out = [INVALID] * R
     if plain:
         for i, t in zip(plain, argmax_rows(logits[plain], compiled).tolist()):
             out[i] = t
-    rest = [i for i in range(R) if not rows[i].params.plain_greedy]
-    x = logits[rest].float()  # (r, V), a copy: penalties write into it
+    rest = [i for i in range(R) if not free(i)]
+    x = logits[rest].float()  # (r, V), a copy: masks and penalties write into it
     for j, i in enumerate(rest):
-        penalty = rows[i].params.repetition_penalty
-        if penalty != 1.0 and seen is not None and len(seen[i]):
-            _penalize(x[j], seen[i], penalty)
+        if i in masks:
+            apply_bitmask_(x[j:j + 1], masks[i][None])
+        if rows[i].params.penalized:
+            _penalize_all(x[j], rows[i].params, seen[i] if seen else (), generated[i] if generated else ())
+    ok = torch.isfinite(x.amax(-1))  # (r,): some token is allowed and nothing is NaN
     greedy = [j for j, i in enumerate(rest) if rows[i].params.greedy]
     if greedy:
         for j, t in zip(greedy, argmax_rows(x[greedy], compiled).tolist()):
-            out[rest[j]] = t
+            out[rest[j]] = t if ok[j] else INVALID
     drawn = [j for j, i in enumerate(rest) if not rows[i].params.greedy]
     if drawn:
         probs = _shape(x[drawn], [rows[rest[j]].params for j in drawn])  # (d, V)
         cdf = probs.double().cumsum(-1)  # (d, V): float64, so the last tokens' mass is not lost to rounding
         total = cdf[:, -1]
-        ok = torch.isfinite(total) & (total > 0)
+        good = torch.isfinite(total) & (total > 0)
         u = torch.tensor([rows[rest[j]].uniform() for j in drawn], dtype=torch.float64)
         picks = torch.searchsorted(cdf, (u * total)[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
-        for j, t, good in zip(drawn, picks.tolist(), ok.tolist()):
-            out[rest[j]] = t if good else INVALID
+        for j, t, g in zip(drawn, picks.tolist(), good.tolist()):
+            out[rest[j]] = t if g else INVALID
+    return out
+
+
+def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[dict[int, tuple[float, int]]]:
+    """Row i's log-softmax (of the logits as the model produced them) at tokens[i], and at its top[i] likeliest
+    tokens: {token: (logprob, rank)}, rank 1 the likeliest (ties share the better rank), the chosen token first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
+    chosen = torch.tensor(list(tokens), dtype=torch.long)[:, None]
+    mine = lp.gather(1, chosen.clamp(min=0))  # (R, 1)
+    ranks = (lp > mine).sum(-1) + 1
+    k = max(top, default=0)
+    best = lp.topk(k, dim=-1) if k else None
+    out = []
+    for i, t in enumerate(tokens):
+        entry = {int(t): (float(mine[i, 0]), int(ranks[i]))}
+        if best is not None:
+            for r, (v, tok) in enumerate(zip(best.values[i, :top[i]].tolist(), best.indices[i, :top[i]].tolist())):
+                entry.setdefault(tok, (v, r + 1))
+        out.append(entry)
     return out

@@ -50,6 +50,10 @@ class Tokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         return cls(tok, cfg)
 
+    def to_json(self) -> str:
+        """The tokenizer.json text: what other libraries that need the vocabulary (a grammar's matcher) read."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)

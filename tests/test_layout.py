@@ -12,9 +12,9 @@ ROOT = Path(nanoserve.__file__).parent
 LAYERS = [
     ["config"],
     ["kernels", "tokenizer"],
-    ["sampling", "kv"],
-    ["stopping", "attention"],
-    ["model"],
+    ["structured", "kv"],
+    ["sampling", "attention"],
+    ["stopping", "model"],
     ["engine"],
     ["stages", "loader"],
     ["generate", "llm"],

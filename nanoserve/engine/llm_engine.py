@@ -34,7 +34,8 @@ from ..config import EngineConfig
 from ..kv.blocks import BlockManager, RequestTooLarge
 from ..kv.storage import KVStorage
 from ..model import Llama
-from ..sampling import INVALID, SamplingParams, sample
+from ..sampling import INVALID, SamplingParams, logprobs_of, sample
+from ..structured import GrammarCompiler, GrammarError, words
 from ..tokenizer import Tokenizer
 from .checks import check_prompt
 from .model_runner import ModelRunner
@@ -89,6 +90,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.dtype),
                                   config.kernels, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.manager, config.scheduler)
+        self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured outputs
         self.requests: dict[str, Request] = {}  # sequence id -> its state: the unfinished, and the last finished
         self.history: deque[StepRecord] = deque(maxlen=config.history_kept)
         self._finished: deque[str] = deque()
@@ -109,6 +111,8 @@ class LLMEngine:
         bad = [i for i in params.stop_token_ids if i >= cfg.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids={bad[:5]}: outside the vocabulary [0, {cfg.vocab_size})")
+        if params.structured_outputs is not None:
+            self._matcher(params)  # compiles (and keeps) the grammar: GrammarError names what is wrong
         if params.n > sched.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n}: the samples of a request run together, and at most "
                              f"max_num_seqs={sched.max_num_seqs} run at once")
@@ -125,6 +129,14 @@ class LLMEngine:
                 f"to {max_new} new ones (recomputed whole after a preemption) exceed max_num_batched_tokens="
                 f"{sched.max_num_batched_tokens}")
         return max_new
+
+    def _matcher(self, params: SamplingParams, field: str = "structured_outputs"):
+        """A fresh grammar matcher for a request's structured outputs."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need the engine's tokenizer to match tokens to the grammar")
+        if self.grammars is None:
+            self.grammars = GrammarCompiler(self.tokenizer, self.model.cfg.eos_token_id)
+        return self.grammars.matcher(params.structured_outputs, field)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -148,7 +160,8 @@ class LLMEngine:
         for i in range(params.n):
             p = params if params.n == 1 else replace(params, seed=None if params.seed is None else params.seed + i)
             seqs.append(Request(rid, list(prompt), p, max_new, eos, self.tokenizer, arrival_time=now, index=i,
-                                seq_id=rid if params.n == 1 else f"{rid}/{i}"))
+                                seq_id=rid if params.n == 1 else f"{rid}/{i}",
+                                matcher=self._matcher(p) if p.structured_outputs is not None else None))
         for seq in seqs:
             self.requests[seq.seq_id] = seq
         seqs[0].forks = seqs[1:]
@@ -202,9 +215,9 @@ class LLMEngine:
             chunks = [Chunk(c.token_ids, c.start, c.request.table.blocks) for c in plan.chunks]
             logits = self.runner.execute(chunks, plan.copies, [c.num_logits for c in plan.chunks])
             t2, prep = self.clock(), self.runner.last_prepare_s
-            sampled = self._sample(plan, logits)
+            sampled, logprobs = self._sample(plan, logits)
             accepted = sum(len(sampled[c.request]) - 1 for c in plan.chunks if c.num_drafts and c.request in sampled)
-            outputs = self.scheduler.update_from_output(plan, sampled, t2, self.steps)
+            outputs = self.scheduler.update_from_output(plan, sampled, t2, self.steps, logprobs)
             self._retire()
             if self.config.speculative is not None:
                 self._draft()
@@ -217,27 +230,46 @@ class LLMEngine:
         self.steps += 1
         return outputs
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor) -> dict[Request, list[int]]:
+    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor
+                ) -> tuple[dict[Request, list[int]], dict[Request, list]]:
         """One sampler call for the step: a row per sampled sequence (a request's waiting samples read its
-        prompt's row), k + 1 rows for a sequence with k drafts. Returns each sequence's tokens: the drafts
-        its argmax agreed with, then its own next token."""
-        rows, samplers, seen, owners = [], [], [], []
+        prompt's row), k + 1 rows for a sequence with k drafts, each constrained row with its grammar's mask.
+        Returns each sequence's tokens (the drafts its argmax agreed with, then its own next token) and, where
+        asked for, their log-probabilities; prompt rows asked to be scored are scored on the way."""
+        rows, samplers, seen, generated, owners, masks = [], [], [], [], [], {}
         at = 0
         for c in plan.chunks:
+            if c.num_logits > c.num_sampled:  # the chunk's prompt rows: each scores the prompt token after it
+                self._score_prompt(c, logits[at:at + c.num_logits - c.num_sampled])
+            at += c.num_logits - c.num_sampled
             if not c.completes:
                 continue
             for seq in [c.request, *c.request.forks]:
-                for i in range(c.num_logits):
+                for i in range(c.num_sampled):
+                    if seq.matcher is not None:
+                        masks[len(rows)] = self._mask(seq)
                     rows.append(at + i)
                     samplers.append(seq.sampler)
                     seen.append(seq.all_token_ids if seq.params.repetition_penalty != 1.0 else ())
+                    generated.append(seq.output_token_ids)
                     owners.append(seq)
-            at += c.num_logits
-        picks = sample(logits[rows] if rows != list(range(len(logits))) else logits, samplers, seen,
-                       self.runner.kernels)
+            at += c.num_sampled
+        chosen_rows = logits[rows] if rows != list(range(len(logits))) else logits
+        picks = sample(chosen_rows, samplers, seen, self.runner.kernels, generated,
+                       {i: m for i, m in masks.items() if m is not None})
+        for i, m in masks.items():
+            if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
+                picks[i] = INVALID
         chosen: dict[Request, list[int]] = {}
         for seq, t in zip(owners, picks):
             chosen.setdefault(seq, []).append(t)
+        wanted = [i for i, seq in enumerate(owners) if seq.params.logprobs is not None and picks[i] != INVALID]
+        logprobs: dict[Request, list] = {}
+        if wanted:
+            lps = logprobs_of(chosen_rows[wanted], [picks[i] for i in wanted],
+                              [owners[i].params.logprobs for i in wanted])
+            for i, lp in zip(wanted, lps):
+                logprobs.setdefault(owners[i], []).append(lp)
         for c in plan.chunks:  # a draft stands while the model's own choice agrees with it
             if c.num_drafts and c.request in chosen:
                 got = chosen[c.request]
@@ -245,7 +277,31 @@ class LLMEngine:
                 while n < c.num_drafts and got[n] == c.token_ids[-c.num_drafts + n] and got[n] != INVALID:
                     n += 1
                 chosen[c.request] = got[:n + 1]
-        return chosen
+        return chosen, logprobs
+
+    def _mask(self, seq: Request) -> torch.Tensor | None:
+        """The tokens a constrained sequence may take next, as a bitmask; None if its grammar failed."""
+        mask = torch.empty(words(self.model.cfg.vocab_size), dtype=torch.int32)
+        try:
+            seq.matcher.fill(mask)
+        except GrammarError as e:
+            seq.error = str(e)
+            return None
+        return mask
+
+    def _score_prompt(self, c, logits: torch.Tensor) -> None:
+        """Log-probabilities of a chunk's prompt tokens: row i (position start + i) scores the token after it."""
+        req = c.request
+        P, start = req.num_prompt_tokens, c.start
+        n = min(len(logits), P - 1 - start)  # rows whose next token is still the prompt's
+        if n > 0:
+            targets = req.prompt_token_ids[start + 1:start + 1 + n]
+            req.prompt_logprobs_partial += logprobs_of(logits[:n], targets, [req.params.prompt_logprobs] * n)
+        if start + len(c.token_ids) >= P:  # the whole prompt is scored
+            req.prompt_logprobs = [None, *req.prompt_logprobs_partial]
+            req.prompt_logprobs_partial = []
+            for f in req.forks:
+                f.prompt_logprobs = req.prompt_logprobs
 
     def _draft(self) -> None:
         """Each running greedy sequence that is decoding proposes its next tokens by prompt lookup."""

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+TokenLogprobs = dict[int, tuple[float, int]]
+"""One position's log-probabilities: {token id: (logprob, rank)}, the chosen (or prompt) token first, then the
+likeliest others (`sampling.logprobs_of`). Rank 1 is the likeliest token."""
+
 
 @dataclass
 class StepOutput:
@@ -25,6 +29,8 @@ class StepOutput:
     num_output_tokens: int = 0  # generated so far
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     error: str | None = None  # with finish_reason "error": what went wrong
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, if the request asked for them
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once, with the first output (the first token: None)
 
     @property
     def finished(self) -> bool:
@@ -40,6 +46,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -52,3 +59,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from ..kv.blocks import BlockTable
 from ..sampling import RowSampler, SamplingParams
 from ..stopping import StopChecker
+from ..structured import Matcher
 from ..tokenizer import Tokenizer
-from .outputs import StepOutput
+from .outputs import StepOutput, TokenLogprobs
 from .spec import NgramIndex
 
 
@@ -76,6 +77,10 @@ class Request:
     num_draft_tokens: int = 0  # drafts verified over the request's life
     num_accepted_tokens: int = 0  # ... and accepted
     error: str | None = None
+    matcher: Matcher | None = None  # structured outputs: the grammar's state after the output so far
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # once the prompt is computed, if asked for
+    prompt_logprobs_sent: bool = False
+    prompt_logprobs_partial: list[TokenLogprobs] = field(default_factory=list)  # scored so far
 
     def __post_init__(self) -> None:
         self.seq_id = self.seq_id or self.request_id
@@ -124,8 +129,18 @@ class Request:
         self.text += text
         return text
 
-    def output(self, new_token_ids: list[int], new_text: str) -> StepOutput:
-        """This step's StepOutput for the sequence."""
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not yet computed."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def output(self, new_token_ids: list[int], new_text: str, logprobs: list[TokenLogprobs] | None = None
+               ) -> StepOutput:
+        """This step's StepOutput for the sequence (its prompt's log-probabilities ride on the first one)."""
         reason = self.finish_reason.value if self.finish_reason is not None and self.finished else None
+        prompt = None
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_sent:
+            prompt, self.prompt_logprobs_sent = self.prompt_logprobs, True
         return StepOutput(self.request_id, new_token_ids, new_text, reason, self.index, self.stop_reason,
-                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, self.error)
+                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached_tokens, self.error,
+                          logprobs if self.params.logprobs is not None else None, prompt)

@@ -40,21 +40,24 @@ from .request import FinishReason, Request, RequestStatus
 @dataclass
 class ScheduledChunk:
     """`num_tokens` tokens of `request`, from its `start`-th token on: its own tokens, then `num_drafts`
-    speculative ones. `completes`: it reaches the request's last token, so the step samples for it."""
+    speculative ones. `completes`: it reaches the request's last token, so the step samples for it.
+    `num_logits`: rows of logits the step needs, at the chunk's end: one after its last token and one after
+    each draft, or every row of a prompt whose log-probabilities are asked for."""
 
     request: Request
     start: int
     token_ids: list[int]
     num_drafts: int = 0
     completes: bool = False
+    num_logits: int = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
     @property
-    def num_logits(self) -> int:
-        """Rows of logits the step needs: one after the last token, and one after each draft."""
+    def num_sampled(self) -> int:
+        """Of the num_logits rows, the last ones the sampler chooses from (the rest score prompt tokens)."""
         return 1 + self.num_drafts if self.completes else 0
 
     @property
@@ -152,7 +155,8 @@ class Scheduler:
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, step: int) -> bool:
         """Give the head of the queue its cached prefix and a first chunk, if blocks and budget allow."""
         table = self.manager.new_table()
-        hit = self.manager.match_prefix(table, req.all_token_ids)
+        # a prompt whose log-probabilities are asked for is computed whole: cached blocks have no logits
+        hit = 0 if req.collects_prompt_logprobs else self.manager.match_prefix(table, req.all_token_ids)
         left = req.num_tokens - hit
         n = min(left, budget)
         if (n < left and not self.config.chunked_prefill) or \
@@ -176,24 +180,30 @@ class Scheduler:
         tokens = req.all_token_ids[start:start + n] + req.spec_token_ids[:drafts]
         _, copies = self.manager.append_slots(req.table, tokens)
         out.copies.extend(copies)
-        out.chunks.append(ScheduledChunk(req, start, tokens, drafts, start + n == req.num_tokens))
+        completes = start + n == req.num_tokens
+        scoring = req.collects_prompt_logprobs and start < req.num_prompt_tokens
+        num_logits = len(tokens) if scoring else (1 + drafts if completes else 0)
+        out.chunks.append(ScheduledChunk(req, start, tokens, drafts, completes, num_logits))
 
     def _preempt(self, req: Request, step: int) -> None:
         """Free the request's blocks and put it at the head of the queue, to be recomputed."""
         self.manager.free(req.table)
         req.table, req.num_computed_tokens, req.spec_token_ids = None, 0, []
+        req.prompt_logprobs_partial = []  # recomputed from the start, scored again
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.move(RequestStatus.PREEMPTED, step)
         self.waiting.appendleft(req)
 
     def update_from_output(self, plan: SchedulerOutput, sampled: Mapping[Request, list[int]], now: float,
-                           step: int = 0) -> list[StepOutput]:
+                           step: int = 0, logprobs: Mapping[Request, list] | None = None) -> list[StepOutput]:
         """The after-step bookkeeping, in plan order: each chunk's tokens are computed; a chunk with drafts
         keeps those its sampled tokens agree with and gives back the blocks of the rest; newly full blocks
         are named for prefix caching; a request whose prompt is now in forks its other samples; each
         sequence appends its sampled tokens (up to a stop) and ends if it is done. `sampled[seq]`: the
-        tokens the step chose for it (verified drafts then the bonus token; `[INVALID]`: it failed)."""
+        tokens the step chose for it (verified drafts then the bonus token; `[INVALID]`: it failed), `logprobs[seq]`
+        their log-probabilities where asked for."""
+        logprobs = logprobs or {}
         outputs = []
         for c in plan.chunks:
             req = c.request
@@ -219,18 +229,25 @@ class Scheduler:
                 seqs += req.forks
                 req.forks = []
             for seq in seqs:
-                outputs.append(self._append_tokens(seq, sampled.get(seq, [INVALID]), now, step))
+                outputs.append(self._append_tokens(seq, sampled.get(seq, [INVALID]), now, step, logprobs.get(seq)))
         return outputs
 
-    def _append_tokens(self, seq: Request, tokens: list[int], now: float, step: int) -> StepOutput:
+    def _append_tokens(self, seq: Request, tokens: list[int], now: float, step: int,
+                       logprobs: list | None = None) -> StepOutput:
         """Append a sequence's sampled tokens, stopping at the first that ends it; end it if it is done."""
         new, text = [], ""
         if tokens and tokens[0] == INVALID:
-            seq.error = "the step's logits for this request could not be sampled (not finite, or no probability mass)"
+            seq.error = seq.error or ("the step's logits for this request could not be sampled (not finite, or "
+                                      "no token allowed)")
             seq.finish_time = now
             self.finish(seq, FinishReason.ERROR, step)
             return seq.output(new, text)
         for t in tokens:
+            if seq.matcher is not None and not seq.matcher.consume(t):
+                seq.error = f"token {t} broke the grammar of {seq.matcher.field}"
+                seq.finish_time = now
+                self.finish(seq, FinishReason.ERROR, step)
+                return seq.output(new, text)
             text += seq.append_token(t, now)
             new.append(t)
             if seq.finish_reason is not None:
@@ -238,7 +255,7 @@ class Scheduler:
         if seq.finish_reason is not None:
             seq.finish_time = now
             self.finish(seq, step=step)
-        return seq.output(new, text)
+        return seq.output(new, text, logprobs[:len(new)] if logprobs is not None else None)
 
     def finish(self, req: Request, reason: FinishReason | None = None, step: int = 0) -> None:
         """Take a request out of the queues and give its blocks back (done, or aborted)."""

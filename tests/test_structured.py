@@ -1,0 +1,157 @@
+"""Structured outputs: the parameters refused by name, the bitmask arithmetic, the library's refusals turned
+into errors naming the field, and on the real model every constrained output parsing and validating against
+its schema (many schemas, many seeds) while free requests share its steps with their own tokens."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from nanoserve.engine import LLMEngine
+from nanoserve.generate import generate
+from nanoserve.sampling import INVALID, RowSampler, SamplingParams, sample
+from nanoserve.structured import (
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutputsParams,
+    allowed,
+    apply_bitmask_,
+    words,
+)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"choice": []}, "non-empty list of strings"),
+    ({"choice": ["a", 3]}, "non-empty list of strings"),
+    ({"regex": 5}, "regex=5 must be a string"),
+    ({"json": 5}, "JSON schema"),
+])
+def test_bad_params_are_refused_naming_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(**kw)
+
+
+def test_params_from_a_dict_in_sampling_params():
+    p = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert p.structured_outputs.kind == "choice" and not p.plain_greedy
+
+
+def test_the_bitmask_is_bit_t_of_word_t_over_32():
+    V = 70
+    mask = torch.zeros(2, words(V), dtype=torch.int32)
+    mask[0, 0] = 1 | (1 << 5)  # tokens 0 and 5
+    mask[0, 2] = 1 << 3  # token 67
+    mask[1] = -1  # everything
+    ok = allowed(mask, V)
+    assert ok[0].nonzero().flatten().tolist() == [0, 5, 67] and bool(ok[1].all())
+    logits = torch.randn(2, V)
+    before = logits.clone()
+    apply_bitmask_(logits, mask)
+    assert torch.isinf(logits[0]).sum() == V - 3 and torch.equal(logits[0, [0, 5, 67]], before[0, [0, 5, 67]])
+    assert torch.equal(logits[1], before[1])
+
+
+def test_a_mask_in_the_batched_sampler_confines_its_row_alone():
+    V = 64
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(words(V), dtype=torch.int32)
+    mask[1] = 1 << 4  # only token 36
+    greedy = SamplingParams(temperature=0)
+    rows = [RowSampler(greedy), RowSampler(SamplingParams(temperature=0.9, seed=1)), RowSampler(greedy)]
+    out = sample(logits, rows, masks={0: mask, 1: mask})
+    assert out[:2] == [36, 36] and out[2] == int(logits[2].argmax())
+    nothing = torch.zeros(words(V), dtype=torch.int32)
+    assert sample(logits, rows, masks={1: nothing})[1] == INVALID  # no token allowed: this row fails alone
+
+
+@pytest.fixture(scope="module")
+def compiler(tok, model):
+    return GrammarCompiler(tok, model.cfg.eos_token_id)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"regex": "(abc"}, "unclosed group"),
+    ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
+    ({"json": "{not json"}, "response_format"),
+    ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, "minimum"),
+    ({"grammar": "start: (("}, "response_format"),
+])
+def test_what_the_library_refuses_is_an_error_naming_the_field(compiler, kw, match):
+    with pytest.raises(GrammarError, match=match) as e:
+        compiler.matcher(StructuredOutputsParams(**kw), "response_format")
+    assert e.value.field == "response_format"
+
+
+def test_a_grammar_nothing_can_match_fails_its_request_alone(model, tok):
+    """A regex whose language is empty is found on its first mask: that request ends in error, the one beside
+    it gets its tokens."""
+    engine = LLMEngine(model, tok, num_blocks=64)
+    ids = tok.encode("Hello")
+    bad = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4,
+                                                 structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]")))
+    ok = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.requests[bad].finish_reason.value == "error" and "regex" in engine.requests[bad].error
+    assert engine.requests[ok].output_token_ids == generate(model, ids, SamplingParams(temperature=0,
+                                                                                     max_tokens=4)).token_ids
+    engine.check_idle()
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                      "sunny": {"type": "boolean"},
+                                      "temps": {"type": "array", "items": {"type": "number"}, "maxItems": 4}},
+     "required": ["city", "sunny", "temps"], "additionalProperties": False},
+    {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "calm"]},
+                                      "note": {"type": ["string", "null"], "maxLength": 12}},
+     "required": ["mood", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"point": {"type": "object",
+                                                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                                                "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"}, "minItems": 1, "maxItems": 3},
+]
+REGEX = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+
+
+def test_every_constrained_output_parses_and_validates(model, tok):
+    """Five schemas, a date regex, a choice and json_object, each sampled with several seeds in one engine beside a
+    free greedy request: every finished constrained output is valid, and the free one gets its solo tokens."""
+    engine = LLMEngine(model, tok, max_num_seqs=32, num_blocks=512)
+    ask = tok.encode_chat([{"role": "user", "content": "Answer with data about a city, a person or a day."}])
+    cases = [(StructuredOutputsParams(json=s), lambda text, s=s: jsonschema.validate(json.loads(text), s))
+             for s in SCHEMAS]
+    cases += [(StructuredOutputsParams(regex=REGEX), lambda text: re.fullmatch(REGEX, text) or pytest.fail(text)),
+              (StructuredOutputsParams(choice=["red", "green", "blue"]),
+               lambda text: text in ("red", "green", "blue") or pytest.fail(text)),
+              (StructuredOutputsParams(json_object=True), lambda text: isinstance(json.loads(text), dict)
+               or pytest.fail(text))]
+    ids = {}
+    for params, check in cases:
+        for seed in range(3):
+            sp = SamplingParams(temperature=1.0, seed=seed, max_tokens=96, structured_outputs=params)
+            ids[engine.add_request(ask, sp)] = check
+    free = engine.add_request(ask, SamplingParams(temperature=0, max_tokens=24))
+    while engine.has_unfinished_requests():
+        engine.step()
+    finished = 0
+    for rid, check in ids.items():
+        req = engine.requests[rid]
+        assert req.finish_reason.value in ("stop", "length"), req.error
+        if req.finish_reason.value == "stop":  # the grammar ended it; a length cut may leave it open
+            check(req.text)
+            finished += 1
+    assert finished >= len(ids) - 2  # nearly every one completes within max_tokens
+    assert engine.requests[free].output_token_ids == generate(model, ask, SamplingParams(temperature=0,
+                                                                                       max_tokens=24)).token_ids
+    engine.check_idle()
