@@ -1,12 +1,9 @@
 """`python -m nanoserve bench arrivals`: requests arriving over time, served; vLLM's metrics per rate.
 
-`bench engine`'s ragged workload is sent on a gamma/Poisson trace (`serving.arrival_times`) at each rate; each
-system replays it on the wall clock: `nanoserve-engine` (LLMEngine stepped by the replay loop, a request
-arriving mid-step joining the next), `nanoserve-server` (`serve` in a subprocess with this command's engine
-options, streamed over loopback), `transformers-cb` (its continuous batching manager, its own token timestamps)
-and `transformers-serve` (that manager behind its HTTP server, timed as nanoserve's). A request's clock starts at
-its scheduled arrival, so a system late to admit it pays in TTFT. Two CSVs: a summary row per (system, rate)
-(`--out`), a row per request beside it (`-requests`).
+`bench engine`'s ragged workload on a gamma/Poisson trace at each of `--rates`, replayed on the wall clock by each
+of SYSTEMS: the engine, `serve` in a subprocess (this command's engine options), transformers' continuous batching
+manager, and that behind its HTTP server. A request's clock starts at its scheduled arrival, so a system late to
+admit it pays in TTFT. Two CSVs: a row per (system, rate) (`--out`), a row per request beside it.
 """
 
 from __future__ import annotations
@@ -29,6 +26,7 @@ from pathlib import Path
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..model import Llama
+from ..model.fetch import ensure_model
 from . import csvio
 from .command import common_arguments, csv_header, engine_argv, engine_config, report, start
 from .harness import Workload, greedy, load_hf_model, ragged_workload, run_requests
@@ -37,9 +35,6 @@ from .timing import RequestTiming
 
 CSV_PATH = "data/bench-arrivals.csv"
 SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transformers-serve")
-RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
-REQUEST_FIELDS = ["system", "rate", "request", "arrival_s", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s",
-                  "e2e_s", "met_slo"]
 
 
 @dataclass
@@ -127,39 +122,11 @@ def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 180,
     raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
-async def _stream_one(client, url: str, body: dict, send_at: float,
-                      clock=time.perf_counter) -> tuple[float, list[float], float, list[int]]:
-    """One streaming completion sent at `send_at`: (start, token times, end, token ids), a chunk's tokens stamped
-    when it arrives. Without ids (transformers serve) a chunk with text is a token, the usage count the rest."""
-    await asyncio.sleep(max(0.0, send_at - clock()))
-    times, ids, used = [], [], None
-    async with client.stream("POST", url, json=body) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"server answered {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            now = clock()
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                used = chunk["usage"]["completion_tokens"]
-            if not chunk.get("choices"):
-                continue
-            c = chunk["choices"][0]
-            if "token_ids" in c:
-                times += [now] * len(c["token_ids"])
-                ids += c["token_ids"]
-            elif c.get("text"):
-                times.append(now)
-            if c.get("finish_reason") and used is not None and used > len(times):
-                times += [now] * (used - len(times))
-    return send_at, times, clock(), ids
-
-
 def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
                   system: str = "nanoserve-server", tok=None) -> Replay:
-    """Every request a streaming HTTP client sent at its arrival, timed where the client sees the tokens (to
-    transformers serve: the prompt as text, EOS off through its generation_config field)."""
+    """Every request a streaming completion sent at its arrival, its tokens stamped where the client sees them.
+    transformers serve gets the prompt as text, EOS off through its generation_config field, and sends no ids: a
+    chunk with text is a token, the usage count the rest."""
     import httpx
 
     def body(i: int, model: str) -> dict:
@@ -170,26 +137,39 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
         return dict(model=model, prompt=tok.decode(w.prompts[i]), max_tokens=w.max_tokens[i], temperature=0,
                     stream=True, generation_config=config)
 
-    async def main() -> list[tuple[float, list[float], float, list[int]]]:
+    async def one(client, url: str, body: dict, send_at: float) -> tuple[RequestTiming, list[int]]:
+        await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
+        times, ids, used = [], [], None
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"server answered {resp.status_code}: {(await resp.aread())[:300]!r}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                used = chunk["usage"]["completion_tokens"] if chunk.get("usage") else used
+                c = chunk["choices"][0] if chunk.get("choices") else {}
+                ids += c.get("token_ids", [])
+                times += [now] * (len(c["token_ids"]) if "token_ids" in c else int(bool(c.get("text"))))
+                if c.get("finish_reason") and used is not None and used > len(times):
+                    times += [now] * (used - len(times))
+        return RequestTiming(send_at, tuple(times), time.perf_counter()), ids
+
+    async def main() -> list[tuple[RequestTiming, list[int]]]:
         limits = httpx.Limits(max_connections=len(arrivals) + 1, max_keepalive_connections=len(arrivals) + 1)
         async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
             model = (await client.get(f"http://127.0.0.1:{port}/v1/models")).json()["data"][0]["id"]
-            t0 = time.perf_counter()
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            return await asyncio.gather(*[_stream_one(client, url, body(i, model), t0 + a)
-                                          for i, a in enumerate(arrivals)])
+            t0, url = time.perf_counter(), f"http://127.0.0.1:{port}/v1/completions"
+            return await asyncio.gather(*[one(client, url, body(i, model), t0 + a) for i, a in enumerate(arrivals)])
 
     results = asyncio.run(main())
-    timings = [RequestTiming(start, tuple(times), end) for start, times, end, _ in results]
-    return Replay(system, rate, timings, [ids for *_, ids in results])
+    return Replay(system, rate, [t for t, _ in results], [ids for _, ids in results])
 
 
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             server_options: Sequence[str] = ()) -> Iterator[Callable[..., Replay]]:
     """One system stood up and warm, as `replay(workload, arrivals, rate)`; torn down on leaving."""
-    from ..model.fetch import ensure_model
-
     warm = Workload("warm", w.prompts[:2], [2, 2])
     if system == "nanoserve-engine":
         engine = LLMEngine(model, tok, config)
@@ -227,35 +207,28 @@ def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO
     rows = [dict(system=r.system, rate=r.rate, **{k: round(v, 5) for k, v in serving_metrics(r.timings, slo).row()
                                                   .items()}) for r in replays]
     csvio.write_csv(out, rows, meta)
-    requests = []
-    for r in replays:
-        t0 = min(t.start for t in r.timings)
-        requests += [dict(system=r.system, rate=r.rate, request=i, arrival_s=round(t.start - t0, 4),
-                          prompt_tokens=len(w.prompts[i]), output_tokens=t.output_len, ttft_s=round(t.ttft, 4),
-                          tpot_s="" if t.tpot is None else round(t.tpot, 5), e2e_s=round(t.latency, 4),
-                          met_slo=int(slo.met(t))) for i, t in enumerate(r.timings)]
-    csvio.write_csv(requests_path(out), requests, meta, REQUEST_FIELDS)
-
-
-def _floats(rows: list[dict]) -> list[dict]:
-    return [{k: float(v) if isinstance(v, int) else v for k, v in r.items()} for r in rows]
+    requests = [dict(system=r.system, rate=r.rate, request=i, arrival_s=round(t.start - r.timings[0].start, 4),
+                     prompt_tokens=len(w.prompts[i]), output_tokens=t.output_len, ttft_s=round(t.ttft, 4),
+                     tpot_s="" if t.tpot is None else round(t.tpot, 5), e2e_s=round(t.latency, 4),
+                     met_slo=int(slo.met(t))) for r in replays for i, t in enumerate(r.timings)]
+    csvio.write_csv(requests_path(out), requests, meta)
 
 
 def read_summary(path: str | Path) -> tuple[dict[str, str], list[dict]]:
     """The header and the summary rows, numbers as floats."""
     meta, rows = csvio.read_csv(path, parse=True)
-    return meta, _floats(rows)
+    return meta, [{k: float(v) if isinstance(v, int) else v for k, v in r.items()} for r in rows]
 
 
 def read_requests(path: str | Path) -> list[dict]:
     """The per-request rows beside a summary CSV, numbers as floats (a one-token request's TPOT is None)."""
-    return _floats(csvio.read_csv(requests_path(path), parse=True)[1])
+    return read_summary(requests_path(path))[1]
 
 
 def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -> dict[tuple[str, float], float]:
     """Each (system, rate)'s goodput recomputed from its requests under another SLO (same runs, same durations)."""
     duration = {(r["system"], r["rate"]): r["duration_s"] for r in summary}
-    good: dict[tuple[str, float], int] = dict.fromkeys(duration, 0)
+    good = dict.fromkeys(duration, 0)
     for r in requests:
         met = r["ttft_s"] <= slo.ttft_s and (r["tpot_s"] is None or r["tpot_s"] <= slo.tpot_s)
         good[(r["system"], r["rate"])] += met
@@ -263,23 +236,19 @@ def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rates", type=float, nargs="+", default=list(RATES), help="requests/s (inf: all at once)")
-    ap.add_argument("--requests", type=int, default=40, help="requests per rate")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
+                    help="requests/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
-    common_arguments(ap, CSV_PATH, engine=True)
+    common_arguments(ap, CSV_PATH, engine=True, requests=40, seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Each system over every rate, one after another in this process; two CSVs and a table."""
-    start(args)
-    from ..loader import load
-
+    model, tok = start(args)
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
-    model, tok = load()
     w = ragged_workload(tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
     extra = dict(slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), requests=args.requests, burstiness=args.burstiness,

@@ -1,13 +1,10 @@
 """`python -m nanoserve bench attention`: one decode step's attention, every road, side by side (Days 23, 24).
 
-IMPLS: `gather` (Day 18: each request's blocks copied out of the pool, then SDPA), `torch` (Day 28: keys gathered
-into one rectangle, values summed by embedding_bag), `sdpa` (the keys already contiguous: a cache without blocks),
-`kernel` (the compiled kernel reading keys where they lie) and `split-k` (long rows read in pieces on several
-cores). One layer, `batch` requests of `context` keys in blocks over a shuffled pool, the model's shapes, at each
-thread count; the roads checked to agree, then timed interleaved, each call after an untimed read of FLUSH_BYTES
-(cold caches, as in a real step, where the weight products have just streamed through them). Bytes are counted:
-the ideal is every key and value read once; the gathers also write and re-read a copy (KV_PASSES). GB/s is the
-ideal bytes over the median time, `of_read_bw` that over the read bandwidth measured in the same run.
+IMPLS: `gather` (blocks copied out of the pool, then SDPA), `torch` (keys gathered into one rectangle, values
+summed by embedding_bag), `sdpa` (keys already contiguous), `kernel` (the compiled kernel reading keys where they
+lie), `split-k` (long rows read in pieces on several cores). One layer, `batch` requests of `context` keys in
+blocks over a shuffled pool, at each thread count; the roads checked to agree, then timed interleaved, each call on
+cold caches. GB/s is the ideal bytes (every key and value read once) over the median time.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from ..attention import reference, torch_ops
 from ..attention.causal import causal_attention
 from ..attention.metadata import Chunk, prepare
 from . import csvio
-from .command import common_arguments, csv_header, start, table
+from .command import common_arguments, csv_header, report, start
 from .roofline import measure_bandwidth
 from .timing import Summary, interleaved, summarize, time_callable
 
@@ -169,33 +166,25 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict[str, object]]]
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=30, help="interleaved rounds per point (fewer for slow points)")
-    ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per point, roughly")
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds of timing per point, roughly (fewer repeats)")
     ap.add_argument("--thread-counts", type=int, nargs="+", default=None,
                     help="torch threads to sweep (default: 1 and torch's own count)")
-    common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH, contexts=[128, 512, 2048, 8192], repeats=30)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """`python -m nanoserve bench attention`: the sweep on the loaded model's shapes, a table, and the CSV."""
-    start(args)
-    from ..loader import load
-
+    """The sweep on the loaded model's shapes, a table, and the CSV."""
     if kernels.load() is None:
         print(f"nanoserve bench attention: error: the compiled kernels are unavailable: {kernels.unavailable_reason()}")
         return 1
-    model, _ = load()
-    cfg = model.cfg
+    cfg = start(args)[0].cfg
     counts = args.thread_counts or sorted({1, torch.get_num_threads()})
     points, bws = run_sweep(args.batches, args.contexts, args.block_size, args.repeats, args.budget,
                             (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim), counts)
     bw = statistics.median(bws)
-    write_csv(args.out, points, csv_header(argv, read_bandwidth=f"{bw:.4g}", split_keys=kernels.SPLIT_KEYS,
-                                           shapes=f"H={cfg.n_heads} K={cfg.n_kv_heads} D={cfg.head_dim}"))
+    meta = csv_header(argv, read_bandwidth=f"{bw:.4g}", split_keys=kernels.SPLIT_KEYS,
+                      shapes=f"H={cfg.n_heads} K={cfg.n_kv_heads} D={cfg.head_dim}")
     print(f"\nread bandwidth {bw / 1e9:.1f} GB/s (median of {len(bws)})")
-    print(table(read_csv(args.out)[1], ["impl", "threads", "batch", "context", "ms", "x_kernel", "moved_over_ideal",
-                                        "gb_s", "of_read_bw"]))
-    print(f"-> {args.out}")
-    return 0
+    return report(write_csv(args.out, points, meta), meta, read_csv(args.out)[1], [
+        "impl", "threads", "batch", "context", "ms", "x_kernel", "moved_over_ideal", "gb_s", "of_read_bw"])

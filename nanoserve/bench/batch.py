@@ -1,9 +1,8 @@
 """`python -m nanoserve bench batch`: static batching, measured (Day 29).
 
-The blocking run (seven rows of 4 tokens batched behind one of 32: issued vs useful tokens, head-of-line
-inflation) and the sweep: uniform batches of 1..32 rows, our step, transformers' static `generate` and our step on
-torch's ops (what the compiled kernels buy) interleaved round by round, the machine's peak measured before each
-round. `--prompt-tokens N` sweeps N tokens of prose instead of a 5-token prompt. One CSV, the roofline in its header.
+The blocking run (seven rows of 4 tokens behind one of 32: issued vs useful tokens, head-of-line inflation), then
+uniform batches of `--sizes` rows: our step, our step on torch's ops and transformers' static `generate`, round
+by round, the machine's peak measured before each round. One CSV, the roofline in its header.
 """
 
 from __future__ import annotations
@@ -16,13 +15,14 @@ from pathlib import Path
 
 from .. import kernels
 from ..model import Llama
+from ..model.fetch import ensure_model
 from ..tokenizer import Tokenizer
 from . import csvio, harness
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, read_csv, write_csv
 from .command import common_arguments, csv_header, report, start
 from .harness import PASSAGE as PASSAGE  # notebooks read the passage here
 from .harness import PROMPTS
-from .roofline import step_roofline
+from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline, step_roofline
 
 CSV_PATH = "data/day-29-batchbench.csv"
 TORCH_OPS_LABEL = "nanoserve-torch-ops"  # the CSV's label for our step on torch's ops instead of the kernels
@@ -47,7 +47,7 @@ def pooled_median(timings: Sequence[BatchTiming]) -> float:
 def blocking_run(model: Llama, prompts: Sequence[Sequence[int]]) -> BatchTiming:
     """Day 29's blocking run: seven rows of 4 tokens batched behind one row of 32, timed for real."""
     lens = harness.BLOCKING_LENS
-    harness.warm_up(model, prompts[0], len(lens))
+    harness.time_model_batch(model, [prompts[0]] * len(lens), [2] * len(lens))  # warm up: the same shape
     return harness.time_model_batch(model, prompts[: len(lens)], [n - 1 for n in lens])[0]
 
 
@@ -112,22 +112,15 @@ def sweep_rows(model: Llama, ours: BatchScaling, meta: dict, theirs: BatchScalin
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=list(harness.SWEEP_SIZES), help="sweep batch sizes")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per row in the sweep")
     ap.add_argument("--prompt-tokens", type=int, default=0, help="sweep a prompt of this many tokens of prose")
-    ap.add_argument("--rounds", type=int, default=3, help="sweep rounds; the median step pools every round")
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
     ap.add_argument("--no-roofline", action="store_true", help="skip measuring the machine")
     ap.add_argument("--no-torch-ops", action="store_true", help="skip our step on torch's ops")
-    common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH, steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args)
-    from ..loader import load
-    from ..model.fetch import ensure_model
-    from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline
-
-    model, tok = load()
+    model, tok = start(args)
     meta = csv_header(argv, kernels=kernels.describe(), weight_bytes=model.weight_bytes())
     print(f"{meta['machine']}\nsteps run: {meta['kernels']}")
     t = blocking = blocking_run(model, [tok.encode(p) for p in PROMPTS])

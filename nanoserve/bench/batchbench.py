@@ -1,10 +1,9 @@
-"""What a static batch costs: wasted work and held-back answers (Day 29, the stdlib core, clock injected).
+"""What a static batch costs: wasted work and held-back answers (Day 29; stdlib only, the clock injected).
 
 A static batch runs until its slowest row is done. `BatchTiming` holds one run and derives its two bills, never
-averaged into one number: throughput (`issued_tokens` computed, `useful_tokens` collected, `waste_fraction` the
-gap) and latency (a row whose own work ended at `row_done_s` is handed back at `batch_done_s`: head-of-line
-blocking). The prefill emits each row's first token, so counts are decode tokens: a row of n tokens needs n - 1
-steps. Seven rows of 4 behind one of 32 run 31 steps:
+averaged into one: throughput (`issued_tokens` computed, `useful_tokens` collected, `waste_fraction` the gap)
+and latency (a row done at `row_done_s` is handed back at `batch_done_s`: head-of-line blocking). The prefill
+emits each row's first token, so a row of n tokens needs n - 1 steps; seven rows of 4 behind one of 32 run 31:
 
 >>> t = static_batch_timing([4] * 7 + [32])
 >>> t.issued_tokens, t.useful_tokens, round(t.waste_fraction, 2)   # 8 * 31, 7 * 3 + 31
@@ -39,10 +38,8 @@ class BatchTiming:
     returns_rows_when_done: bool = False
 
     def __post_init__(self) -> None:
-        if not self.row_steps:
-            raise ValueError("empty batch: row_steps needs one entry per row")
-        if not self.step_s:
-            raise ValueError("no decode steps were timed: a static batch needs at least one")
+        if not self.row_steps or not self.step_s:
+            raise ValueError(f"empty batch or no decode steps timed: row_steps {self.row_steps}, step_s {self.step_s}")
         if not (math.isfinite(self.prefill_s) and self.prefill_s >= 0):
             raise ValueError(f"prefill_s must be finite and >= 0, got {self.prefill_s}")
         if not all(math.isfinite(s) and s > 0 for s in self.step_s):
@@ -138,8 +135,8 @@ class BatchTiming:
 
 def time_static_batch(prefill: Callable[[], object], step: Callable[[], object],
                       row_steps: Sequence[int], clock: Clock = DEFAULT_CLOCK) -> BatchTiming:
-    """Time `prefill()` once, then `step()` max(row_steps) times: the closures do the real work (the harness
-    builds them around the model and the cache), this only reads the clock around each call."""
+    """Time `prefill()` once, then `step()` max(row_steps) times: the closures do the real work (the harness builds
+    them around the model and the cache), this only reads the clock around each call."""
     row_steps = list(row_steps)
     if not row_steps:
         raise ValueError("empty batch: row_steps needs one entry per row")
@@ -149,13 +146,9 @@ def time_static_batch(prefill: Callable[[], object], step: Callable[[], object],
 
 def static_batch_timing(output_lens: Sequence[int], step_s: float = 1.0,
                         prefill_s: float = 0.0) -> BatchTiming:
-    """A modelled run: rows generating `output_lens` tokens, every step taking `step_s`."""
-    if not output_lens or min(output_lens) < 1:
-        raise ValueError(f"need at least one row, each generating >= 1 token, got {list(output_lens)}")
-    if max(output_lens) < 2:
-        raise ValueError("every row generates 1 token, all from the prefill: no decode step to measure")
+    """A modelled run: rows generating `output_lens` tokens (each >= 1), every step taking `step_s`."""
     row_steps = [n - 1 for n in output_lens]
-    return BatchTiming(prefill_s=prefill_s, step_s=[step_s] * max(row_steps), row_steps=row_steps)
+    return BatchTiming(prefill_s=prefill_s, step_s=[step_s] * max(row_steps, default=0), row_steps=row_steps)
 
 
 def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: float,
@@ -178,10 +171,9 @@ def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: fl
 
 @dataclass(frozen=True)
 class BatchScaling:
-    """Throughput against batch size, from uniform batches (every issued token useful). `speedup` is throughput
-    over the smallest batch's, `efficiency` speedup over the ideal B / B0; `knee` is the largest size such that it
-    and every smaller one keep efficiency >= `min_efficiency`: below the peak where a size raises tok/s without
-    paying its way."""
+    """Throughput against batch size on uniform batches. `speedup` is tok/s over the smallest batch's, `efficiency`
+    speedup over the ideal B / B0; `knee` the largest size that, with every smaller one, keeps efficiency >=
+    `min_efficiency`: past it a size may still raise tok/s, without paying its way."""
 
     batch_sizes: list[int]
     step_s: list[float]
@@ -225,10 +217,6 @@ class BatchScaling:
     def peak_tok_per_s(self) -> float:
         return max(self.tok_per_s)
 
-    @property
-    def peak_speedup(self) -> float:
-        return max(self.speedup)
-
 
 def fit_batch_scaling(batch_sizes: Sequence[int], median_step_s: Sequence[float],
                       min_efficiency: float = 0.75) -> BatchScaling:
@@ -238,9 +226,7 @@ def fit_batch_scaling(batch_sizes: Sequence[int], median_step_s: Sequence[float]
     >>> [round(e, 2) for e in s.efficiency], s.knee, s.peak_batch_size
     ([1.0, 0.59, 0.3, 0.13], 1, 4)
     """
-    if len(batch_sizes) != len(median_step_s):
-        raise ValueError(f"{len(batch_sizes)} batch sizes but {len(median_step_s)} step times")
-    pairs = sorted(zip(batch_sizes, median_step_s))
+    pairs = sorted(zip(batch_sizes, median_step_s, strict=True))
     return BatchScaling([int(b) for b, _ in pairs], [float(s) for _, s in pairs], min_efficiency)
 
 

@@ -2,9 +2,8 @@
 
 `--decoders` short requests decode; once each has `--warm` tokens, `--long-tokens` of prose arrive. Without chunked
 prefill the whole prompt is one step every running request waits for; with it, each step takes the decode tokens
-and as much prompt as the budget (`max_num_batched_tokens`) has left. No chunking, then each `--budgets` value (the
-rest as the engine options say), interleaved round by round. A CSV row per sampled token: its request, index, id,
-and its step and clock reading from the long prompt's arrival.
+and as much prompt as the budget (`max_num_batched_tokens`) has left. No chunking, then each of `--budgets`,
+interleaved round by round. A CSV row per sampled token: its step and time from the long prompt's arrival.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from ..tokenizer import Tokenizer
 from . import csvio
 from .command import common_arguments, csv_header, engine_config, report, start
 from .harness import PASSAGE, greedy, prose
+from .timing import summarize
 
 CSV_PATH = "data/bench-chunked.csv"
 LONG = "long"  # the long request's id
@@ -50,8 +50,8 @@ class ScenarioRun:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What the running requests and the long one saw; `stall` gaps: the running requests' gaps that end while the
-    long prompt is computed (after its arrival, up to its first token)."""
+    """What the running requests and the long one saw; stall gaps are the running requests' gaps that end while the
+    long prompt is computed (`stall_gaps`)."""
 
     label: str
     budget: int
@@ -76,8 +76,8 @@ def long_prompt(tok: Tokenizer, n_tokens: int) -> list[int]:
 
 
 def short_prompts(tok: Tokenizer, n: int, n_tokens: int = 24) -> list[list[int]]:
-    """n prompts of n_tokens, each cut from its own place in the passage, none from its start: no prompt
-    shares a first block with another or with `long_prompt` (the prefix cache finds nothing)."""
+    """n prompts of n_tokens, each from its own place in the passage, none from its start: none shares a first block
+    with another or with `long_prompt` (the prefix cache finds nothing)."""
     step = (len(tok.encode(PASSAGE, add_special_tokens=False)) - n_tokens) // (n + 1)
     if step < 1:
         raise ValueError(f"{n} prompts of {n_tokens} tokens do not fit the passage at distinct places")
@@ -123,10 +123,9 @@ def stall_gaps(run: ScenarioRun) -> list[float]:
 def summarize_run(run: ScenarioRun) -> RunSummary:
     """One run's numbers: the long request's steps and time to first token, the running requests' gaps."""
     before = [b - a for r in run.short_ids for a, b in zip(run.times[r], run.times[r][1:]) if b <= 0]
-    gaps = sorted(stall_gaps(run)) or [0.0]
-    p90 = statistics.quantiles(gaps, n=10, method="inclusive")[-1] if len(gaps) > 1 else gaps[0]
+    gaps = summarize(stall_gaps(run) or [0.0])
     return RunSummary(run.label, run.budget, run.chunked, run.steps[LONG][0] + 1, run.times[LONG][0],
-                      statistics.median(before) if before else 0.0, gaps[-1], p90, statistics.median(gaps))
+                      statistics.median(before) if before else 0.0, gaps.max, gaps.p90, gaps.median)
 
 
 def median_summaries(summaries: Sequence[RunSummary]) -> list[RunSummary]:
@@ -177,15 +176,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--long-tokens", type=int, default=1000, help="the long prompt's length in tokens")
     ap.add_argument("--long-max-tokens", type=int, default=6, help="tokens the long request generates")
     ap.add_argument("--warm", type=int, default=4, help="tokens each short request has when the long one arrives")
-    ap.add_argument("--rounds", type=int, default=3)
-    common_arguments(ap, CSV_PATH, engine=True)
+    common_arguments(ap, CSV_PATH, engine=True, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args)
-    from ..loader import load
-
-    (model, tok), base = load(), engine_config(args)
+    (model, tok), base = start(args), engine_config(args)
     shorts, long = short_prompts(tok, args.decoders, args.short_prompt_tokens), long_prompt(tok, args.long_tokens)
     # without chunking one step holds the whole long request beside every running request's decode token
     whole = max(base.scheduler.max_num_batched_tokens, len(long) + args.long_max_tokens + args.decoders)

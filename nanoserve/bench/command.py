@@ -1,7 +1,6 @@
-"""What every `bench` command shares. A command is a module with `add_arguments(ap)` and `run(args, argv) -> int`:
-`add_arguments` calls `common_arguments` (--out, --threads, and where the command runs the engine, the engine's
-own options with EngineConfig's defaults); `run` calls `start(args)` first, and writes its CSV (`csvio`) under
-`csv_header(argv, ...)`: the command, the machine, the run's settings."""
+"""What every `bench` command shares. A command is a module with `add_arguments(ap)`, which calls
+`common_arguments`, and `run(args, argv) -> int`, which calls `start(args)` first and writes its CSV (`csvio`)
+under `csv_header(argv, ...)`: the command, the machine, the run's settings."""
 
 from __future__ import annotations
 
@@ -15,25 +14,46 @@ from typing import Any
 import torch
 
 from ..config import EngineConfig, SchedulerConfig
+from ..loader import load
+from ..model import Llama
+from ..tokenizer import Tokenizer
 from .machine import machine_line
 
+SHARED = {  # options more than one command takes: type, a list or one value, help
+    "contexts": (int, True, "prompt lengths (tokens)"),
+    "steps": (int, False, "decode steps per run"),
+    "repeats": (int, False, "timed calls per point"),
+    "rounds": (int, False, "rounds, every configuration once a round; medians are over rounds"),
+    "requests": (int, False, "requests in the workload"),
+    "seed": (int, False, "the workload's seed"),
+    "model": (str, False, "HF checkpoint folder (default: the fetched SmolLM2)"),
+}
 
-def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False) -> None:
-    """--out (where the CSV goes), --threads, and with `engine` the engine's options (`EngineConfig`)."""
+
+def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False, **shared: Any) -> None:
+    """--out (where the CSV goes), --threads, each SHARED option in `shared` with that default, and with `engine`
+    the engine's options (`EngineConfig`)."""
     ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    for name, default in shared.items():
+        kind, many, about = SHARED[name]
+        ap.add_argument(f"--{name}", type=kind, nargs="+" if many else None, default=default, help=about)
     if engine:
         EngineConfig.add_cli_arguments(ap)
 
 
-def start(args: argparse.Namespace) -> None:
-    """Set torch's threads if asked; warn when other work shares the machine (absolute numbers get noisy)."""
+def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
+    """Set torch's threads if asked, warn when other work shares the machine (absolute numbers get noisy), and with
+    `model` load the model (`--model`'s folder where the command has one, else the fetched SmolLM2)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if busy > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
               "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
+    if model:
+        return load(getattr(args, "model", None))
+    return None
 
 
 def engine_config(config: EngineConfig | SchedulerConfig | argparse.Namespace | None = None) -> EngineConfig:
@@ -56,14 +76,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return out
 
 
-def command_line(argv: Sequence[str]) -> str:
-    """The command as a user types it: `python -m nanoserve ...`."""
-    return shlex.join(["python", "-m", "nanoserve", *argv])
-
-
 def csv_header(argv: Sequence[str], **extra: Any) -> dict[str, Any]:
-    """What a measured CSV opens with: its command, its machine, and the run's settings (`extra`)."""
-    return {"command": command_line(argv), "machine": machine_line(), **extra}
+    """What a measured CSV opens with: its command as a user types it, its machine, the run's settings (`extra`)."""
+    return {"command": shlex.join(["python", "-m", "nanoserve", *argv]), "machine": machine_line(), **extra}
 
 
 def report(out: object, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],

@@ -1,7 +1,5 @@
 """A measured CSV under data/: `# key: value` lines (the command, the machine, the run's settings), then a table.
-
-Every bench command writes and reads its CSV here, so the header has one format and one parser. Stdlib only,
-like `timing`: the stdlib cores write through it too.
+Every bench command writes and reads its CSV here, so the header has one format and one parser. Stdlib only.
 
 >>> import os, tempfile
 >>> path = write_csv(os.path.join(tempfile.mkdtemp(), "x.csv"), [{"impl": "kernel", "ms": 0.5, "n": 30}],
@@ -22,25 +20,23 @@ from typing import Any
 
 def write_csv(path: str | Path, rows: Iterable[Mapping[str, Any] | Any], meta: Mapping[str, Any] | None = None,
               fields: Sequence[str] | None = None) -> Path:
-    """`meta` as `# key: value` lines (text as it is, anything else as JSON), then `rows` (dicts or dataclasses)
-    under `fields` (default: the first row's keys; a row without a field leaves it empty). Makes the folder."""
+    """`meta` as `# key: value` lines (text as it is, the rest as JSON), then `rows` (dicts or dataclasses) under
+    `fields` (default: the first row's keys; a missing field is left empty). Makes the folder."""
     rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else r for r in rows]
-    fields = list(fields or (rows[0] if rows else []))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as f:
         for key, value in (meta or {}).items():
             text = value if isinstance(value, str) else json.dumps(value)
             f.write(f"# {key}: {' '.join(text.splitlines())}\n")
-        writer = csv.DictWriter(f, fields, lineterminator="\n")
+        writer = csv.DictWriter(f, list(fields or (rows[0] if rows else [])), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
     return path
 
 
 def read_csv(path: str | Path, parse: bool = False) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """The `# key: value` lines above the table (values as text) and the table's rows: as text, or with `parse`
-    each value that reads as a number a number (`number`)."""
+    """The `# key: value` lines above the table (values as text) and its rows, as text or with `parse` numbers."""
     meta: dict[str, str] = {}
     lines: list[str] = []
     with open(path, newline="") as f:
@@ -51,9 +47,7 @@ def read_csv(path: str | Path, parse: bool = False) -> tuple[dict[str, str], lis
             elif line.strip():
                 lines.append(line)
     rows = list(csv.DictReader(lines))
-    if parse:
-        rows = [{k: number(v) for k, v in r.items()} for r in rows]
-    return meta, rows
+    return meta, [{k: number(v) for k, v in r.items()} for r in rows] if parse else rows
 
 
 def number(text: str) -> int | float | str | None:

@@ -1,11 +1,9 @@
 """`python -m nanoserve bench decode`: decode tok/s on the weights as shipped, beside fp32 and llama.cpp (Day 25).
 
-Batch 1 at each `--contexts` length: nanoserve on fp32, on the GGUF's blocks (a step one compiled call), the
-same on the Python forward (`nanoserve-py`: what the compiled step saves), transformers, and llama.cpp on the same
-GGUF (through llama-cpp-python, optional: without it the CSV says so); and each `--batch-sizes` B at the first
-context, fp32 beside the blocks. A row's step is the median decode step after a prompt of prose, median over
-rounds (`timing.rounds`); beside it tok/s, weight GB/s, its share of the measured read bandwidth, and ratios to
-nanoserve fp32 and llama.cpp at the same batch and context.
+Batch 1 at each of `--contexts`: nanoserve on fp32, on the GGUF's blocks (one compiled call a step), the same on
+the Python forward (`nanoserve-py`), transformers, and llama.cpp on the same GGUF (llama-cpp-python, optional);
+and each of `--batch-sizes` at the first context, fp32 beside the blocks. A row's step is the median decode step
+after a prompt of prose, median over rounds; beside it tok/s, weight GB/s, and same-run ratios.
 """
 
 from __future__ import annotations
@@ -22,7 +20,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import nanoserve_home
+from ..kernels import quant
+from ..loader import load
 from ..model import Llama
+from ..model.fetch import default_model_dir, download_gguf
 from . import csvio
 from .command import common_arguments, csv_header, report, start
 from .harness import load_hf_model, time_hf_generate, time_model_batch
@@ -64,8 +66,8 @@ def make_rows(steps: dict[tuple[str, str, int, int], float], weight_bytes: dict[
 
 
 def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
-    """nanoserve's tok/s per weights ("fp32", "gguf") per batch size, at the smallest context measured: the two
-    curves whose crossing says which weights to serve at which batch size."""
+    """nanoserve's tok/s per weights ("fp32", "gguf") per batch size at the smallest context measured: where the two
+    curves cross says which weights to serve at which batch size."""
     mine = [r for r in rows if r.engine == "nanoserve"]
     ctx = min(r.context for r in mine)
     out: dict[str, dict[int, float]] = {}
@@ -83,13 +85,15 @@ def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
     return timing.median_step_s
 
 
-def llama_cpp_runner(gguf_path: Path, threads: int) -> Callable[[Sequence[int], int], float] | str:
-    """(prompt, steps) -> llama.cpp's median batch-1 decode step (s) on the GGUF, or why there is none. Each call
-    runs in a child process, so a llama.cpp that crashes costs its row, not the run."""
+def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
+                     ) -> tuple[Callable[[Sequence[int], int], float] | None, str]:
+    """(prompt, steps) -> llama.cpp's median batch-1 decode step (s) on the GGUF, tried once on `probe`, and the
+    CSV's note on it (None and why where it cannot run here). Each call runs in a child process, so a llama.cpp
+    that crashes costs its row, not the run."""
     try:
         import llama_cpp
     except ImportError:
-        return "llama-cpp-python not installed (pip install llama-cpp-python): llama.cpp rows skipped"
+        return None, "llama-cpp-python not installed (pip install llama-cpp-python): llama.cpp rows skipped"
 
     def run(prompt: Sequence[int], steps: int) -> float:
         job = json.dumps({"path": str(gguf_path), "threads": threads, "prompt": list(prompt), "steps": steps})
@@ -100,8 +104,11 @@ def llama_cpp_runner(gguf_path: Path, threads: int) -> Callable[[Sequence[int], 
                                f"{r.stderr.strip()[-300:]}")
         return float(r.stdout.strip().splitlines()[-1])
 
-    run.version = llama_cpp.__version__  # type: ignore[attr-defined]
-    return run
+    try:
+        run(probe, 2)  # one short run: does it work here at all?
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        return None, f"{e}; llama.cpp rows skipped".replace("\n", " ")
+    return run, f"llama-cpp-python {llama_cpp.__version__}, {threads} threads, same GGUF file"
 
 
 def _llama_cpp_child() -> None:
@@ -138,27 +145,17 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[DecodeRow]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024], help="prompt lengths for batch 1")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched rows at the first context")
-    ap.add_argument("--steps", type=int, default=32, help="decode steps per run")
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
-    common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args)
-    from ..config import nanoserve_home
-    from ..kernels import quant
-    from ..loader import load
-    from ..model.fetch import default_model_dir, download_gguf
-
-    (fp32, tok), (blocks, _) = load(), load(weights="gguf")
+    (fp32, tok), (blocks, _) = start(args), load(weights="gguf")
     threads, n = torch.get_num_threads(), args.steps
-    weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes(), ("nanoserve", "gguf"): blocks.weight_bytes(),
-                    ("nanoserve-py", "gguf"): blocks.weight_bytes(),
-                    ("llama.cpp", "gguf"): blocks.weight_bytes()}  # llama.cpp streams the same blocks
+    weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes()} | dict.fromkeys(  # llama.cpp streams the same blocks
+        [("nanoserve", "gguf"), ("nanoserve-py", "gguf"), ("llama.cpp", "gguf")], blocks.weight_bytes())
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[tuple[str, str, int, int], Callable[[], float]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
@@ -173,18 +170,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         for ctx in args.contexts:
             jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_hf_generate(
                 hf, [p], n)[0].median_step_s
-    llama_note = "not asked for (--no-llama-cpp)"
-    runner = "" if args.no_llama_cpp else llama_cpp_runner(download_gguf(nanoserve_home() / "downloads"), threads)
-    if isinstance(runner, str):
-        llama_note = runner or llama_note
-    else:
-        try:
-            runner(prompt_of(tok, 8), 2)  # one short run: does it work here at all?
-            llama_note = f"llama-cpp-python {runner.version}, {threads} threads, same GGUF file"
-            for ctx in args.contexts:
-                jobs[("llama.cpp", "gguf", 1, ctx)] = lambda p=prompts[ctx]: runner(p, n)
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            llama_note = f"{e}; llama.cpp rows skipped".replace("\n", " ")
+    runner, llama_note = (None, "not asked for (--no-llama-cpp)") if args.no_llama_cpp else llama_cpp_runner(
+        download_gguf(nanoserve_home() / "downloads"), threads, prompt_of(tok, 8))
+    for ctx in args.contexts if runner else []:
+        jobs[("llama.cpp", "gguf", 1, ctx)] = lambda p=prompts[ctx]: runner(p, n)
     print(f"llama.cpp: {llama_note}", flush=True)
     with torch.inference_mode():
         bandwidth, _ = measure_bandwidth(2**28)

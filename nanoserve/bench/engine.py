@@ -1,10 +1,8 @@
 """`python -m nanoserve bench engine`: the scheduled engine against static batching and transformers (Days 30-35).
 
-An offline workload (`harness.ragged_workload`: 32 requests at once, prompts of 20-300 tokens of prose, outputs of
-8-128, EOS ignored) through each SYSTEMS in turn: nanoserve's engine, one static batch of 32 and four of 8,
-transformers' generate on batches of 8 (left-padded, each to its longest row), and its continuous batching. Useful
-tok/s is the tokens asked for over the wall time; a request's latency runs to when its answer is handed back (a
-static batch hands back every row with its longest). `--uniform` adds a workload static batching wastes nothing on.
+32 ragged requests at once (`harness.ragged_workload`) through each of SYSTEMS in turn, and with `--uniform` a
+workload static batching wastes nothing on. Useful tok/s is the tokens asked for over the wall time; a request's
+latency runs to when it is handed back (a static batch hands back every row with its longest).
 """
 
 from __future__ import annotations
@@ -19,17 +17,18 @@ from pathlib import Path
 from ..config import EngineConfig, SchedulerConfig
 from ..engine import LLMEngine
 from ..model import Llama
+from ..model.fetch import ensure_model
 from ..stages import greedy_generate_batch
 from . import csvio
 from .arrivals import replay_hf_continuous, start_hf_manager
 from .command import common_arguments, csv_header, engine_config, report, start
-from .harness import Workload, greedy, hf_generate, ragged_workload, run_requests, uniform_workload
+from .harness import Workload, greedy, hf_generate, load_hf_model, ragged_workload, run_requests, uniform_workload
+from .roofline import measure_roofline
 from .serving import percentile
 
 CSV_PATH = "data/bench-engine.csv"
 SYSTEMS = ("nanoserve-engine", "nanoserve-static-32", "nanoserve-static-8", "transformers-static-8",
            "transformers-cb")
-FIELDS = ["workload", "system", "request", "prompt_tokens", "max_tokens", "latency_s", "wall_s"]
 
 
 @dataclass
@@ -128,7 +127,7 @@ def write_csv(path: str | Path, runs: Sequence[SystemRun], workloads: dict[str, 
     rows = [dict(workload=r.workload, system=r.system, request=i, prompt_tokens=len(workloads[r.workload].prompts[i]),
                  max_tokens=workloads[r.workload].max_tokens[i], latency_s=f"{lat:.4f}", wall_s=f"{r.wall_s:.4f}")
             for r in runs for i, lat in enumerate(r.latency_s)]
-    return csvio.write_csv(path, rows, meta, FIELDS)
+    return csvio.write_csv(path, rows, meta)
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict]]:
@@ -136,21 +135,13 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--uniform", action="store_true", help="also the uniform workload (the engine, one static batch)")
-    common_arguments(ap, CSV_PATH, engine=True)
+    common_arguments(ap, CSV_PATH, engine=True, requests=32, seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args)
-    from ..loader import load
-    from ..model.fetch import ensure_model
-    from .harness import load_hf_model
-    from .roofline import measure_roofline
-
-    (model, tok), config = load(), engine_config(args)
+    (model, tok), config = start(args), engine_config(args)
     workloads = {"ragged": ragged_workload(tok, args.requests, seed=args.seed)}
     if args.uniform:
         workloads["uniform"] = uniform_workload(tok, args.requests, seed=args.seed)

@@ -1,10 +1,7 @@
-"""The harness: the real model, the workloads the commands run, and what they time, as closures (Day 26).
-
-A benchmark that times a function called in isolation measures that function. The harness builds what
-generation builds, a `StaticBatch`, and hands the stdlib core (`batchbench.time_static_batch`) its `prefill` and
-`step`: what gets timed is the loop `greedy_generate_batch` runs, and the tokens collected are its tokens. The
-same rows go through the engine (`time_engine_batch`) and through transformers' `generate` (`hf_generate`; it is
-the reference, imported only where used, not a dependency).
+"""The harness: the real model, the workloads the commands run, and what they time, as closures (Day 26). It
+builds what generation builds (a `StaticBatch`, an `LLMEngine`) and hands the stdlib core its steps, so what is
+timed is the loop generation runs and the tokens collected are its tokens; transformers' `generate` is the
+reference (imported only where used).
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import copy
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -39,15 +36,13 @@ PROMPTS = ("The capital of France is", "Write a haiku about the sea.", "What is 
            "A recipe for pancakes needs flour, eggs and")
 """Eight short prompts, one per row of the blocking run; the sweep replicates the first."""
 
-PASSAGE = (
-    "The lighthouse on the northern cape was built in 1858 from granite quarried on the island itself. "
-    "For ninety years a keeper climbed its one hundred and twelve steps every evening to light the lamp, "
-    "wind the clockwork that turned the lens, and write the weather in a log that still survives. "
-    "Ships rounding the cape in winter storms steered by its flash, one long and two short every twenty "
-    "seconds, and the keepers' families grew vegetables in the lee of the tower where the wind could not "
-    "reach them. When the light was automated the last keeper left a note in the log: the lamp is clean, "
-    "the stairs are swept, and the gulls are fed. "
-)
+PASSAGE = ("The lighthouse on the northern cape was built in 1858 from granite quarried on the island itself. "
+           "For ninety years a keeper climbed its one hundred and twelve steps every evening to light the lamp, "
+           "wind the clockwork that turned the lens, and write the weather in a log that still survives. "
+           "Ships rounding the cape in winter storms steered by its flash, one long and two short every twenty "
+           "seconds, and the keepers' families grew vegetables in the lee of the tower where the wind could not "
+           "reach them. When the light was automated the last keeper left a note in the log: the lamp is clean, "
+           "the stairs are swept, and the gulls are fed. ")
 """The text long prompts are cut from (repeated as needed): ordinary prose, not a repeated token."""
 
 
@@ -70,12 +65,9 @@ class Workload:
         return sum(self.max_tokens)
 
     def flops(self, cfg: ModelConfig) -> float:
-        """FLOPs of the useful work: each prompt computed once, each generated token once at its context."""
-        total = 0.0
-        for p, n in zip(self.prompts, self.max_tokens):
-            total += forward_flops(cfg, len(p))  # the prefill gives the first token
-            total += sum(forward_flops(cfg, 1, context=len(p) + j) for j in range(n - 1))
-        return total
+        """FLOPs of the useful work: each prompt once (its prefill gives the first token), then each token once."""
+        return sum(forward_flops(cfg, len(p)) + sum(forward_flops(cfg, 1, len(p) + j) for j in range(n - 1))
+                   for p, n in zip(self.prompts, self.max_tokens))
 
 
 def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] = (20, 300),
@@ -91,8 +83,8 @@ def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] =
 def uniform_workload(tok: Tokenizer, n: int = 32, prompt_tokens: int = 160, max_tokens: int = 68,
                      seed: int = 0) -> Workload:
     """n requests of one prompt length and one output length: the case static batching wastes nothing on."""
-    w = ragged_workload(tok, n, (prompt_tokens, prompt_tokens), (max_tokens, max_tokens), seed)
-    return Workload("uniform", w.prompts, w.max_tokens)
+    return replace(ragged_workload(tok, n, (prompt_tokens, prompt_tokens), (max_tokens, max_tokens), seed),
+                   name="uniform")
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -171,19 +163,15 @@ class Sweep:
         return fit_batch_scaling(sizes, [self.timings[b].median_step_s for b in sizes])
 
 
-def warm_up(model: Llama, prompt: Sequence[int], batch_size: int, steps: int = 2, kernels: bool | None = None) -> None:
-    """A short untimed run of the same shape, so allocator growth is not in the first timed step."""
-    time_model_batch(model, [prompt] * batch_size, [steps] * batch_size, kernels=kernels)
-
-
 def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence[int] = SWEEP_SIZES,
                       steps: int = 32, warmup: bool = True, clock: Clock = DEFAULT_CLOCK,
                       kernels: bool | None = None) -> Sweep:
-    """Throughput against batch size: `prompt` replicated B times, every row decoding `steps` steps."""
+    """Throughput against batch size: `prompt` replicated B times, every row decoding `steps` steps (after a short
+    untimed run of the same shape with `warmup`, so allocator growth is not in the first timed step)."""
     timings, tokens = {}, {}
     for b in batch_sizes:
         if warmup:
-            warm_up(model, prompt, b, kernels=kernels)
+            time_model_batch(model, [prompt] * b, [2] * b, kernels=kernels)
         timings[b], tokens[b] = time_model_batch(model, [prompt] * b, [steps] * b, clock, kernels=kernels)
     return Sweep(timings, tokens)
 

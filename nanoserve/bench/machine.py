@@ -14,10 +14,9 @@ import torch
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one)."""
     try:
-        names = [ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                 if ln.startswith("model name")]
-        if names:
-            return names[0]
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or platform.machine()
@@ -34,13 +33,9 @@ def instruction_set() -> str:
 def machine_line() -> str:
     """CPU model, instruction set, cores and threads, versions, and the load when the run started."""
     load = " ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    return (f"{cpu_model()} | {instruction_set()} | {os.cpu_count()} cores | torch threads {torch.get_num_threads()}"
-            f" | load avg {load} | python {sys.version.split()[0]} | torch {torch.__version__}"
-            f" | nanoserve {_version()}")
-
-
-def _version() -> str:
     try:  # the installed distribution's, so that the instruments need not import the package above them
-        return importlib.metadata.version("nanoserve")
+        version = importlib.metadata.version("nanoserve")
     except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+        version = "unknown"
+    return (f"{cpu_model()} | {instruction_set()} | {os.cpu_count()} cores | torch threads {torch.get_num_threads()}"
+            f" | load avg {load} | python {sys.version.split()[0]} | torch {torch.__version__} | nanoserve {version}")

@@ -1,10 +1,8 @@
 """`python -m nanoserve bench paged`: paged vs contiguous decode (Day 20), what the reference gather costs.
 
-The paged road reads through `attention.reference`, gathering a sequence's blocks into a contiguous copy first;
-the contiguous cache attends over memory already in order. Two measures, interleaved sample by sample: `step`, a
-whole decode step of the real model through each road's Session, and `read`, one layer's attention read alone.
-The caches hold random K/V (a step's cost does not depend on values), the paged copy written into blocks from a
-shuffled free list (as in a pool that has served many requests), and the first step's logits checked to agree.
+Interleaved sample by sample: `step`, a whole decode step of the real model through each road's session, and
+`read`, one layer's attention read alone. The caches hold random K/V (a step's cost does not depend on values),
+the paged copy in blocks from a shuffled free list (a pool that has served many requests).
 """
 
 from __future__ import annotations
@@ -65,8 +63,8 @@ def contiguous_at(model: Llama, context: int, room: int, seed: int = 0) -> Cache
 
 
 def paged_like(model: Llama, contiguous: CachedSession, block_size: int, room: int, seed: int = 0) -> PagedSession:
-    """A paged session (reading through the gather) holding the K/V of `contiguous`, written through the write
-    path into blocks drawn from a shuffled free list."""
+    """A paged session (reading through the gather) holding the K/V of `contiguous`, written through the write path
+    into blocks drawn from a shuffled free list."""
     n = contiguous.cache.length
     session = paged_session(model, n + room, block_size, attention="reference")
     random.Random(seed).shuffle(session.manager.pool.free_list)
@@ -138,9 +136,9 @@ class UsagePoint:
 
 def utilisation_trace(requests: Sequence[tuple[int, int]], block_size: int, max_len: int,
                       max_running: int) -> list[UsagePoint]:
-    """Serve (prompt, output) length pairs first come first served, at most `max_running` at once, each running
-    request gaining a token per step until its output is done. The paged side is a real BlockPool: a block is
-    allocated when a request crosses into it and freed when it leaves."""
+    """Serve (prompt, output) length pairs first come first served, at most `max_running` at once, each gaining a
+    token per step until its output is done; the paged side is a real BlockPool (a block allocated when a request
+    crosses into it, freed when the request leaves)."""
     if any(p < 1 or o < 0 or p + o > max_len for p, o in requests):
         raise ValueError(f"every request needs a prompt >= 1 token and prompt + output <= max_len={max_len}")
     pool = BlockPool(max_running * -(-max_len // block_size), block_size, prefix_caching=False)
@@ -174,25 +172,21 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict[str, float | i
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--block-sizes", type=int, nargs="+", default=[16, 256])
     ap.add_argument("--step-repeats", type=int, default=15)
     ap.add_argument("--read-repeats", type=int, default=60)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: time.perf_counter; cpu: this thread's CPU time (needs --threads 1), which other "
                          "processes on a shared machine do not inflate")
-    common_arguments(ap, CSV_PATH)
+    common_arguments(ap, CSV_PATH, contexts=[128, 256, 512, 1024, 2048, 4096])
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    start(args)
-    if args.clock == "cpu" and torch.get_num_threads() != 1:
+    if args.clock == "cpu" and (args.threads or torch.get_num_threads()) != 1:
         print("nanoserve bench paged: error: --clock cpu counts one thread's CPU time, so it needs --threads 1",
               file=sys.stderr)
         return 2
-    from ..loader import load
-
-    model, _ = load()
+    model, _ = start(args)
     clock = time.thread_time if args.clock == "cpu" else DEFAULT_CLOCK
     rows = run_sweep(model, args.contexts, args.block_sizes, args.step_repeats, args.read_repeats, clock=clock)
     meta = csv_header(argv, clock=args.clock)

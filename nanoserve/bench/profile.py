@@ -1,19 +1,17 @@
 """Where the time of one decode step goes (Day 12).
 
-The forward runs under a `TorchFunctionMode`: every torch call the model makes passes through it (the compiled
-kernels and `onednn_linear` too: they dispatch through `handle_torch_function`), is timed, and is filed under a
-group a reader can point at in `model/llama.py` (GROUPS), by these rules in order:
+The forward runs under a `TorchFunctionMode`: every torch call the model makes (the compiled kernels and
+`onednn_linear` too: they dispatch through `handle_torch_function`) is timed and filed under a group of
+`model/llama.py` (GROUPS), by these rules in order:
 
-1. `F.embedding` is `embedding`; any other call that touches a weight is named by that weight (`wqkv` is qkv,
-   `wo` o_proj, `w_gate_up`/`w_down` mlp, the tied head lm_head, a norm's scale norms). Weights are known by
-   their memory, so a transposed view or whichever kernel runs the product is still found;
+1. `F.embedding` is `embedding`; a call that touches a weight is named by it (`wqkv` qkv, `wo` o_proj,
+   `w_gate_up`/`w_down` mlp, the tied head lm_head, a norm's scale norms), known by its memory, so a transposed
+   view or whichever kernel runs the product is still found;
 2. everything the KV backend does is `attention` (the model is handed a backend wrapping the real one);
-3. calls made from a function whose name says `norm` or `rope` go to that group (`add_rms_norm` with its add,
-   the compiled `rope_` or `apply_rope`, the position table lookup);
+3. calls from a function named for `norm` or `rope` go to that group (`add_rms_norm` with its add, `apply_rope`);
 4. anything else (a view, SiLU, the block's last add) goes to the group of the call before it.
 
-`summarize` is stdlib arithmetic over `OpCall` records; `profile_forward` takes the clock injected. On a CPU an
-op has finished when it returns; on a GPU each call is synchronized around.
+On a CPU an op has finished when it returns; on a GPU each call is synchronized around.
 """
 
 from __future__ import annotations
@@ -32,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from ..model import Llama
+from .roofline import forward_flops_by_group
 from .timing import Clock
 
 GROUPS = ("embedding", "norms", "qkv", "rope", "attention", "o_proj", "mlp", "lm_head", "other")
@@ -92,16 +91,9 @@ def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
 
 
 def flops_by_group(cfg: ModelConfig, n_tokens: int) -> dict[str, int]:
-    """Useful FLOPs (2 per multiply-add) of one forward over `n_tokens` tokens with `last_only`: products 2 x T x
-    weights, the head one row, causal attention T(T+1)/2 pairs per head twice; elementwise ops left out."""
-    T, C, D = n_tokens, cfg.hidden_size, cfg.head_dim
-    out = dict.fromkeys(GROUPS, 0)
-    out["qkv"] = 2 * T * C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D * cfg.n_layers
-    out["o_proj"] = 2 * T * cfg.n_heads * D * C * cfg.n_layers
-    out["mlp"] = 2 * T * 3 * C * cfg.intermediate_size * cfg.n_layers
-    out["attention"] = 2 * 2 * cfg.n_heads * D * (T * (T + 1) // 2) * cfg.n_layers
-    out["lm_head"] = 2 * cfg.vocab_size * C
-    return out
+    """Useful FLOPs of one forward over `n_tokens` tokens with `last_only`, per group (`roofline`'s count; the
+    groups without a product or attention do none)."""
+    return dict.fromkeys(GROUPS, 0) | forward_flops_by_group(cfg, n_tokens)
 
 
 def summarize(runs: Sequence[Sequence[OpCall]], groups: Sequence[str] = GROUPS) -> list[GroupRow]:
@@ -180,19 +172,17 @@ class _GroupingMode(TorchFunctionMode):
         self.last = group
         return out
 
+    def attention(self, kv: KVBackend) -> KVBackend:
+        """The KV backend `kv`, every call it makes filed under attention."""
 
-def _attention_marking(mode: _GroupingMode, kv: KVBackend) -> KVBackend:
-    """A KV backend that runs `kv` with the mode told that what follows is attention."""
+        def backend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            self.in_attention = True
+            try:
+                return kv(layer, q, k, v)
+            finally:
+                self.in_attention, self.last = False, "attention"
 
-    def backend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        mode.in_attention = True
-        try:
-            return kv(layer, q, k, v)
-        finally:
-            mode.in_attention = False
-            mode.last = "attention"
-
-    return backend
+        return backend
 
 
 @torch.inference_mode()
@@ -215,15 +205,15 @@ def profile_forward(
     for i in range(warmup + repeats):
         mode = _GroupingMode(weights, clock, sync)
         with mode:
-            model(ids, positions, kv=_attention_marking(mode, base_kv), last_only=True, compiled=compiled)
+            model(ids, positions, kv=mode.attention(base_kv), last_only=True, compiled=compiled)
         if i >= warmup:
             runs.append(mode.calls)
     return summarize(runs), runs[-1]
 
 
 def weight_rates(rows: Sequence[GroupRow], weight_bytes: dict[str, int]) -> dict[str, float]:
-    """Bytes of weights per second each group achieved: for a one-token step, the number to hold against the
-    machine's memory bandwidth (a matrix-vector product can go no faster than its weights stream).
+    """Bytes of weights per second each group streamed: for a one-token step, the number to hold against the
+    machine's memory bandwidth (a matrix-vector product goes no faster than its weights stream).
 
     >>> weight_rates([GroupRow("mlp", 0.01, 1.0, 4)], {"mlp": 300_000_000})
     {'mlp': 30000000000.0}

@@ -1,8 +1,6 @@
-"""This machine's roofline: how fast it can compute, how fast it can read memory (Day 11).
-
-A kernel is limited by whichever runs out first: arithmetic (peak FLOP/s) or bytes from memory (bandwidth); its
-arithmetic intensity, FLOPs per byte read, says which. Batch-1 decode does 2 FLOPs per 4-byte fp32 weight, an
-intensity of 0.5, far below any CPU's ridge, so its floor is reading every weight once: bandwidth / weight bytes.
+"""This machine's roofline: how fast it computes, how fast it reads memory (Day 11). A kernel is limited by
+whichever runs out first; its arithmetic intensity (FLOPs per byte read) says which. Batch-1 decode does 2 FLOPs
+per 4-byte fp32 weight, far below any CPU's ridge, so its floor is reading every weight once.
 
 >>> decode_limit_tok_s(weight_bytes=538e6, bandwidth=25e9)  # doctest: +ELLIPSIS
 46.4...
@@ -10,8 +8,6 @@ intensity of 0.5, far below any CPU's ridge, so its floor is reading every weigh
 (0.5, 4.0)
 >>> attainable_flops(0.5, peak=1e12, bandwidth=25e9)
 12500000000.0
-
-The pure functions are unit-tested; `measure_roofline` runs the machine, reported beside benchmarks.
 """
 
 from __future__ import annotations
@@ -55,14 +51,20 @@ def ridge_point(peak: float, bandwidth: float) -> float:
     return peak / bandwidth
 
 
+def forward_flops_by_group(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True,
+                           ) -> dict[str, int]:
+    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones, by op group: 2 per weight per
+    token (the LM head only the last with `last_only`), 4 x H x D per (query, visible key) pair for attention."""
+    T, C, D, L = n_tokens, cfg.hidden_size, cfg.head_dim, cfg.n_layers
+    pairs = T * context + T * (T + 1) // 2  # causal
+    return {"qkv": 2 * T * C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D * L, "o_proj": 2 * T * cfg.n_heads * D * C * L,
+            "mlp": 2 * T * 3 * C * cfg.intermediate_size * L, "attention": 4 * cfg.n_heads * D * pairs * L,
+            "lm_head": 2 * cfg.vocab_size * C * (1 if last_only else T)}
+
+
 def forward_flops(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True) -> float:
-    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones: 2 per weight per token (the LM
-    head only for the last with `last_only`), and 4 x H x D per (query, visible key) pair for attention."""
-    C, D, L, Fi = cfg.hidden_size, cfg.head_dim, cfg.n_layers, cfg.intermediate_size
-    per_layer = C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D + cfg.n_heads * D * C + 3 * C * Fi
-    head_rows = 1 if last_only else n_tokens
-    pairs = n_tokens * context + n_tokens * (n_tokens + 1) // 2  # (query, visible key) pairs, causal
-    return 2.0 * (L * per_layer * n_tokens + cfg.vocab_size * C * head_rows) + 4.0 * L * cfg.n_heads * D * pairs
+    """All of `forward_flops_by_group`: one forward's FLOPs."""
+    return float(sum(forward_flops_by_group(cfg, n_tokens, context, last_only).values()))
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,10 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
 def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, float]:
     """(read, copy) bytes/s on a buffer of `nbytes`, far larger than a CPU's caches: read is a sum (each byte
     once, nothing written), copy counts read + write (lower: each written line is also read first)."""
-    n = nbytes // 4
-    src = torch.ones(n)
-    dst = torch.empty(n // 2)
-    half = src[: n // 2]
-    read = nbytes / _median_seconds(lambda: src.sum(), repeats)
-    copy = 2 * half.numel() * 4 / _median_seconds(lambda: dst.copy_(half), repeats)
-    return read, copy
+    src = torch.ones(nbytes // 4)
+    dst, half = torch.empty(src.numel() // 2), src[: src.numel() // 2]
+    return (nbytes / _median_seconds(src.sum, repeats),
+            2 * half.numel() * 4 / _median_seconds(lambda: dst.copy_(half), repeats))
 
 
 def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int = 7) -> Roofline:

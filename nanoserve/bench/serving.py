@@ -1,10 +1,8 @@
 """Requests that arrive over time, and the serving metrics vLLM reports for them (stdlib only, like `timing`).
 
-Arrivals follow vLLM's `benchmark_serving.py`: gaps drawn from a gamma distribution of mean 1/rate and shape
-`burstiness` (1: a Poisson process; below 1 clumps, above 1 more even; rate inf sends everything at once). The
-metrics are vLLM's, per request from its arrival: TTFT, TPOT, ITL (pooled over requests) and E2E (last token -
-arrival); over the run, from the first arrival to the last completion: requests/s, output tokens/s, and goodput,
-the requests that met every SLO per second.
+Arrivals follow vLLM's `benchmark_serving.py`: gamma gaps of mean 1/rate and shape `burstiness` (1: Poisson;
+below 1 clumps, above 1 more even; rate inf: all at once). Per request from its arrival: TTFT, TPOT, ITL and E2E;
+over the run, first arrival to last completion: requests/s, output tokens/s, and goodput (requests/s within SLO).
 """
 
 from __future__ import annotations
@@ -29,12 +27,9 @@ def arrival_times(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -
         raise ValueError(f"burstiness must be a finite number > 0, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
-    rng = random.Random(seed)
-    times, t = [], 0.0
-    for i in range(n):
-        if i:
-            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
-        times.append(t)
+    rng, times = random.Random(seed), [0.0] * min(n, 1)
+    while len(times) < n:
+        times.append(times[-1] + rng.gammavariate(burstiness, 1.0 / (rate * burstiness)))
     return times
 
 
@@ -61,9 +56,8 @@ def percentile(values: Sequence[float], p: float) -> float:
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:
-    out = {"mean": sum(values) / len(values) if values else math.nan}
-    out.update({f"p{p}": percentile(values, p) for p in PERCENTILES})
-    return out
+    return {"mean": sum(values) / len(values) if values else math.nan,
+            **{f"p{p}": percentile(values, p) for p in PERCENTILES}}
 
 
 @dataclass(frozen=True)
@@ -121,8 +115,7 @@ def serving_metrics(timings: Sequence[RequestTiming], slo: SLO = SLO()) -> Servi
 
 
 def goodput_knee(rates: Sequence[float], met: Sequence[float], fraction: float = 0.9) -> float | None:
-    """Where a system saturates: the highest finite offered rate at which at least `fraction` of the requests
-    still met the SLO (`met`: each rate's good / completed); None if even the lowest rate misses. Past the
-    knee, requests arrive faster than they are served within the SLO."""
+    """Where a system saturates: the highest finite offered rate at which at least `fraction` of the requests still
+    met the SLO (`met`: each rate's good / completed), None if none did; past it, requests outrun the service."""
     ok = [r for r, m in zip(rates, met) if math.isfinite(r) and m >= fraction]
     return max(ok) if ok else None

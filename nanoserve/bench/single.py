@@ -1,10 +1,8 @@
 """Single-stream benchmarks (Days 11 and 13): `python -m nanoserve bench single|layout`.
 
-`single` times one request at a time on four roads, interleaved in the same run: Day 08's recomputation, Day 13's
-contiguous cache, nanoserve's own road (`generate`: the engine, its paged cache and kernels) and transformers'
-`generate`. Prefill is prompt tokens / TTFT, decode 1 / TPOT (`timing.StreamTimer`), medians over repeats, beside
-the batch-1 roofline limit (read bandwidth / weight bytes) measured in the same run. `layout` measures how fast
-each candidate layout and call streams a batch-1 decode step's weights: what the weight layout was chosen on.
+`single` times one request at a time on four roads (ENGINES), interleaved in the same run: prefill is prompt
+tokens / TTFT, decode 1 / TPOT, medians over repeats, beside the batch-1 roofline limit measured in the same run.
+`layout` measures how fast each candidate layout and call streams a batch-1 decode step's weights.
 """
 
 from __future__ import annotations
@@ -21,12 +19,13 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..generate import stream_generate
 from ..model import Llama, linear
+from ..model.fetch import ensure_model
 from ..model.matmul import ONEDNN, bag_linear, bmm_linear, onednn_linear, pack
 from ..sampling import SamplingParams
 from ..stages import CachedSession, NoCacheSession, Session, stream_session
 from . import csvio
 from .command import common_arguments, csv_header, report, start
-from .harness import hf_generate
+from .harness import hf_generate, load_hf_model
 from .roofline import decode_limit_tok_s, forward_flops, measure_roofline
 from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer, interleaved, time_callable
 
@@ -189,34 +188,24 @@ def layout_rates(cfg: ModelConfig | None = None, repeats: int = 9, groups: list[
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """`bench single`'s options."""
-    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--nocache-tokens", type=int, default=4, help="tokens for the (slow) no-cache road")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the fetched SmolLM2)")
-    common_arguments(ap, "data/bench-single.csv")
+    common_arguments(ap, "data/bench-single.csv", contexts=[128, 1024], repeats=3, model=None)
 
 
 def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--repeats", type=int, default=9)
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: the fetched SmolLM2)")
-    common_arguments(ap, "data/bench-layout.csv")
+    common_arguments(ap, "data/bench-layout.csv", repeats=9, model=None)
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     """`python -m nanoserve bench single`, or `bench layout` (args.what)."""
-    start(args)
-    from ..loader import load
-    from ..model.fetch import ensure_model
-    from .harness import load_hf_model
-
+    loaded = start(args, model=args.what == "single")
     rounded = lambda rows: [{k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     folder = Path(args.model) if args.model else ensure_model()
     if args.what == "layout":
         rows, meta = rounded(layout_rates(ModelConfig.from_folder(folder), args.repeats)), csv_header(argv)
         return report(csvio.write_csv(args.out, rows, meta), meta, rows)
-    (model, _), hf_model, roof = load(folder), load_hf_model(folder), measure_roofline()
+    model, hf_model, roof = loaded[0], load_hf_model(folder), measure_roofline()
     limit = decode_limit_tok_s(model.weight_bytes(), roof.read_bandwidth)
     rows = run_single(model, hf_model, args.contexts, args.new_tokens, args.repeats, args.nocache_tokens)
     meta = csv_header(argv, roofline=roof.describe(), weight_bytes=model.weight_bytes(),

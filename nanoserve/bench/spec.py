@@ -1,11 +1,9 @@
 """`python -m nanoserve bench spec`: prompt-lookup speculative decoding against plain decoding (Day 40).
 
-Two tasks, greedy: `copy` (the answer copies a paragraph with small edits: what prompt lookup is made for) and
-`chat` (answers that copy little). At each `--concurrency` c a task's prompts run c at a time (cycled to fill the
-last group) through one engine, plain and with each `--k` (speculative_config={"method": "ngram",
-"num_speculative_tokens": k, ...}), the methods interleaved. A request's decode tok/s is (tokens - 1) / (its last
-token's time - its first's), the prefill left out; every run's tokens are compared with plain greedy's. Beside it:
-one forward of m query rows after `--context` tokens (m = k + 1 is a verify step) over the one-row decode step.
+Two tasks, greedy: `copy` (the answer copies a paragraph with small edits) and `chat` (answers that copy little).
+At each `--concurrency` c a task's prompts run c at a time through one engine, plain and with each `--k` drafts,
+interleaved; a request's decode tok/s is (tokens - 1) / (last token's time - first's), and every run's tokens are
+compared with plain greedy's. Beside it: one forward of m query rows (m = k + 1 verifies k drafts) over one row's.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from ..engine import LLMEngine
 from ..model import Llama
 from ..sampling import SamplingParams
 from ..stages import paged_session
-from ..tokenizer import Tokenizer
 from . import csvio
 from .command import common_arguments, csv_header, engine_config, report, start
 from .harness import PASSAGE, run_requests
@@ -83,10 +80,6 @@ class ForwardTiming:
     rows: int
     context: int
     step_s: float
-
-
-def prompt_ids(tok: Tokenizer) -> dict[str, list[list[int]]]:
-    return {task: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs] for task, msgs in TASKS.items()}
 
 
 def with_drafts(config: EngineConfig | None, k: int) -> EngineConfig:
@@ -217,18 +210,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lookup-max", type=int, default=SpeculativeConfig.prompt_lookup_max)
     ap.add_argument("--lookup-min", type=int, default=SpeculativeConfig.prompt_lookup_min)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--context", type=int, default=256, help="cached tokens before the timed forwards")
     ap.add_argument("--step-rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8, 9])
-    common_arguments(ap, CSV_PATH, engine=True)
+    common_arguments(ap, CSV_PATH, engine=True, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args)
-    from ..loader import load
-
-    model, tok = load()
-    prompts = prompt_ids(tok)
+    model, tok = start(args)
+    prompts = {task: [tok.encode_chat([{"role": "user", "content": m}]) for m in msgs] for task, msgs in TASKS.items()}
     spec = SpeculativeConfig("ngram", max(args.k), args.lookup_max, args.lookup_min)
     config = replace(engine_config(args), speculative=spec)  # --k sets the drafts, run by run
     run_once(model, prompts["chat"][0], 8, 0, config)  # warm up both roads
@@ -246,8 +235,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                         runs += [RunRecord(rd, task, i, f"spec-k{k}" if k else "plain", k, len(ids_list[i]), len(toks),
                                            fwd, prop, acc, dt, " ".join(map(str, toks)), c)
                                  for i, (toks, fwd, prop, acc, dt) in zip(group, out)]
-        for m, s in time_steps(model, args.context, args.step_rows, reps=5).items():
-            steps.append(ForwardTiming(rd, m, args.context, s))
+        steps += [ForwardTiming(rd, m, args.context, s)
+                  for m, s in time_steps(model, args.context, args.step_rows, reps=5).items()]
         print(f"round {rd}: {time.perf_counter() - t0:5.1f} s", flush=True)
     summaries = summarize(runs)
     meta = csv_header(argv, max_tokens=args.max_tokens, prompt_lookup_max=args.lookup_max,

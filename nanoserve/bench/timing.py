@@ -1,7 +1,6 @@
-"""Timing generation the way serving benchmarks do, with the clock injected (stdlib only: every number it
-derives can be pinned in a unit test with a fake clock). The vocabulary is vLLM's: TTFT, time to first token;
-TPOT, time per output token, (latency - TTFT) / (output_len - 1), the decode pace once the prefill is paid;
-ITL, the gaps between consecutive tokens.
+"""Timing generation the way serving benchmarks do, the clock injected (stdlib only: every number it derives is
+pinned in a unit test with a fake clock). vLLM's words: TTFT, time to first token; TPOT, time per output token,
+(latency - TTFT) / (output_len - 1), the decode pace once the prefill is paid; ITL, the gaps between tokens.
 
 >>> t = RequestTiming(start=0.0, token_times=(0.5, 0.7, 0.9), end=1.0)
 >>> t.ttft, t.latency, t.tpot, [round(gap, 6) for gap in t.itl]
@@ -26,9 +25,8 @@ K, T = TypeVar("K"), TypeVar("T")
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """Absolute clock readings for one request: when it started, each token, when it ended. Every metric is
-    derived from them, so TTFT, TPOT and ITL never disagree; a request without tokens has no TTFT, so it is
-    refused rather than reported as zero."""
+    """Clock readings for one request: its start, each token, its end. Every metric derives from them, so TTFT, TPOT
+    and ITL never disagree; a request without tokens has no TTFT, so it is refused rather than reported as zero."""
 
     start: float
     token_times: tuple[float, ...]
@@ -39,14 +37,8 @@ class RequestTiming:
         if not self.token_times:
             raise ValueError("a request that emitted no tokens has no TTFT, TPOT or ITL to report")
         readings = (self.start, *self.token_times, self.end)
-        if not all(math.isfinite(r) for r in readings):
-            raise ValueError(f"clock readings must be finite, got {readings}")
-        if any(later < earlier for earlier, later in zip(readings, readings[1:])):
-            raise ValueError(f"clock readings must not go backwards: start, tokens, end = {readings}")
-
-    @property
-    def first_token(self) -> float:
-        return self.token_times[0]
+        if not all(math.isfinite(r) for r in readings) or any(b < a for a, b in zip(readings, readings[1:])):
+            raise ValueError(f"clock readings must be finite and never go backwards: start, tokens, end = {readings}")
 
     @property
     def output_len(self) -> int:
@@ -54,7 +46,7 @@ class RequestTiming:
 
     @property
     def ttft(self) -> float:
-        return self.first_token - self.start
+        return self.token_times[0] - self.start
 
     @property
     def latency(self) -> float:
@@ -99,8 +91,6 @@ class StreamTimer:
     def finish(self) -> RequestTiming:
         if self._start is None:
             raise RuntimeError("StreamTimer.finish() before start()")
-        if not self._tokens:
-            raise ValueError("StreamTimer.finish() with no token() calls: nothing was generated")
         return RequestTiming(start=self._start, token_times=tuple(self._tokens), end=self.clock())
 
 

@@ -8,7 +8,6 @@ import pytest
 
 from nanoserve.bench import csvio
 from nanoserve.bench.command import (
-    command_line,
     common_arguments,
     csv_header,
     engine_argv,
@@ -21,8 +20,9 @@ from nanoserve.cli import build_parser
 from nanoserve.config import CacheConfig, EngineConfig, SchedulerConfig
 
 
-def test_command_line_is_what_a_user_types():
-    assert command_line(["bench", "batch", "--out", "a b.csv"]) == "python -m nanoserve bench batch --out 'a b.csv'"
+def test_the_command_in_the_header_is_what_a_user_types():
+    assert csv_header(["bench", "batch", "--out", "a b.csv"])["command"] == (
+        "python -m nanoserve bench batch --out 'a b.csv'")
 
 
 def test_csv_header_round_trips_through_the_csv(tmp_path):

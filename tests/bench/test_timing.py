@@ -61,7 +61,6 @@ def test_fake_clock_reads_are_cumulative():
 def test_request_timing_metrics_exact():
     t = RequestTiming(start=0.0, token_times=(0.5, 0.75, 1.0, 1.25, 1.5), end=1.5)
     assert t.output_len == 5
-    assert t.first_token == 0.5
     assert t.ttft == 0.5
     assert t.latency == 1.5
     assert t.tpot == 0.25  # (1.5 - 0.5) / (5 - 1)
