@@ -48,11 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=None,
+                   help="default: the checkpoint's recommendation (generation_config.json), else 1.0")
+    g.add_argument("--greedy", action="store_true", help="temperature 0: the likeliest token every step")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
@@ -107,25 +109,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .config import generation_defaults
     from .generate import stream_generate
     from .loader import load
+    from .model.fetch import ensure_model
     from .sampling import SamplingParams
 
-    try:
-        params = SamplingParams(
-            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-            repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
-            stop=args.stop,
-        )
-    except ValueError as e:
-        print(f"nanoserve: error: {e}", file=sys.stderr)
-        return 2
     if not args.prompt:
         print("nanoserve: error: --prompt is empty", file=sys.stderr)
         return 2
     try:
-        model, tok = load(args.model, weights=args.weights)
-    except (CheckpointError, OSError) as e:
+        folder = Path(args.model) if args.model else ensure_model()
+        chosen = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+                  if getattr(args, k) is not None}
+        if args.greedy:
+            chosen["temperature"] = 0.0
+        params = SamplingParams(**{**generation_defaults(folder), **chosen}, seed=args.seed,
+                                max_tokens=args.max_tokens, stop=args.stop)
+        model, tok = load(folder, weights=args.weights)
+    except (CheckpointError, OSError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2
     text = args.prompt
@@ -135,6 +139,9 @@ def generate(args: argparse.Namespace) -> int:
         for step in stream_generate(model, ids, params, tok, spec):
             sys.stdout.write(step.new_text)
             sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as other tools do
+        sys.stderr.close()
+        return 0
     except ValueError as e:
         print(f"\nnanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -155,6 +155,24 @@ class ModelConfig:
         return asdict(self)
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(folder: str | Path) -> dict[str, Any]:
+    """The sampling a checkpoint recommends: the fields of its generation_config.json that SamplingParams has
+    (vLLM's behaviour). {} when the folder has none: then OpenAI's defaults hold (temperature 1, top_p 1)."""
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if d.get("do_sample") is False:  # transformers' way of saying greedy
+        return {"temperature": 0.0}
+    return {k: d[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(d.get(k), (int, float)) and not isinstance(d[k], bool)}
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes: what one more token of context costs. The one
     formula every pool size, memory plot and benchmark uses (a block holds block_size tokens).

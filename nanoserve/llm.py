@@ -18,9 +18,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .config import generation_defaults
 from .engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .loader import load
+from .model.fetch import ensure_model
 from .sampling import SamplingParams
 
 Prompt = str | dict[str, Any] | Sequence[int]
@@ -33,9 +35,15 @@ class LLM:
     `kv_cache_bytes`, `enable_prefix_caching`, `speculative_config`; `config.EngineConfig`)."""
 
     def __init__(self, model: str | Path | None = None, *, weights: str = "fp32", **engine_options: Any):
-        self.model, self.tokenizer = load(model, weights=weights)
+        folder = Path(model) if model else ensure_model()
+        self.model, self.tokenizer = load(folder, weights=weights)
         self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)
+        self.sampling_defaults = generation_defaults(folder)  # the checkpoint's recommended sampling, if any
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the checkpoint's recommended sampling (its generation_config.json), else OpenAI's defaults."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -45,7 +53,8 @@ class LLM:
         from tqdm.auto import tqdm
 
         prompts = _as_list(prompts)
-        params = _params_for(prompts, sampling_params)
+        params = _params_for(prompts, sampling_params if sampling_params is not None
+                             else self.get_default_sampling_params())
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         for i, (ids, sp) in enumerate(zip(encoded, params)):
             try:
@@ -90,7 +99,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """One prompt's text as it is generated, piece by piece (each a whole number of characters)."""
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         if params.n != 1:
             raise ValueError(f"SamplingParams.n={params.n}: a stream carries one sample")
         rid = self.engine.add_request(self._encode(prompt, 0), params, f"stream-{next(self._ids)}")

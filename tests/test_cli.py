@@ -18,13 +18,25 @@ def run(*args: str) -> subprocess.CompletedProcess:
                          ids=["fp32", "gguf", "speculative"])
 def test_generate_greedy_chat(model_dir, road):
     r = run("generate", "--model", str(model_dir), "--prompt", "What is the capital of France?",
-            "--chat", "--max-tokens", "12", *road)
+            "--chat", "--max-tokens", "12", "--greedy", *road)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "The capital of France is Paris."
 
 
+def test_sampling_defaults_to_the_checkpoints_recommendation_and_greedy_is_a_flag(model_dir):
+    """The fetched folder records how its GGUF's own package samples; --greedy is temperature 0."""
+    from nanoserve.config import generation_defaults
+
+    assert generation_defaults(model_dir)["temperature"] == 0.2
+    args = ["generate", "--chat", "--prompt", "Give me three tips for learning to cook.", "--max-tokens", "24"]
+    seeded = [run(*args, "--seed", "3").stdout for _ in range(2)]
+    assert seeded[0] == seeded[1] and seeded[0].strip()  # sampled, reproducibly with a seed
+    greedy = run(*args, "--greedy")
+    assert greedy.returncode == 0 and greedy.stdout == run(*args, "--temperature", "0").stdout
+
+
 def test_default_model_is_the_fetched_one(model_dir):
-    r = run("generate", "--prompt", "1, 2, 3, 4,", "--max-tokens", "8", "--stop", "\n")
+    r = run("generate", "--prompt", "1, 2, 3, 4,", "--max-tokens", "8", "--stop", "\n", "--greedy")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(" 5, 6")
 

