@@ -44,7 +44,8 @@ from ..config import nanoserve_home
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-SOURCES = [SOURCE, CSRC / "quant.cpp", CSRC / "step.cpp", CSRC / "module.cpp"]  # one extension, and its header:
+SOURCES = [SOURCE, CSRC / "quant.cpp", CSRC / "int8.cpp", CSRC / "step.cpp",
+           CSRC / "module.cpp"]  # one extension, and its header:
 HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
 

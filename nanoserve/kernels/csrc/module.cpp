@@ -8,6 +8,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");
   m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
+  m.def("block_linear_int8", &block_linear_int8, "block_linear with x quantized to int8 blocks (llama.cpp's way)");
+  m.def("quantize_activations_int8", &quantize_activations_int8, "x's int8 blocks: (q, d, s)");
+  m.def("int8_road", &int8_road, "the road block_linear_int8 takes on this CPU");
+  m.def("int8_roads", &int8_roads, "every road block_linear_int8 can take on this CPU, best first");
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,

@@ -17,6 +17,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                               double scale, int64_t split_keys);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
 torch::Tensor argmax_rows(torch::Tensor logits);
+// The block product on int8 activations (int8.cpp).
+torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road);
+std::string int8_road();
+std::vector<std::string> int8_roads();
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);

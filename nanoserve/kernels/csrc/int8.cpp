@@ -1,0 +1,765 @@
+// The product on GGUF blocks with int8 activations, as llama.cpp multiplies them (nanoserve/kernels/int8.py
+// says why and when).
+//
+// Each row of x is cut into blocks of 32 and each block quantized as ggml's quantize_row_q8_1_ref does:
+//   d = max_j |x_j| / 127,  q_j = roundf(x_j * (1 / d)) (halves away from zero),  s = sum_j q_j
+// with d kept in fp32 where ggml stores it (and d * s) as fp16. A block holding inf or NaN gets d = NaN and
+// q = 0, so its row's products are NaN; a block whose d is below FLT_MIN (whose 1 / d would overflow) gets q = 0.
+//
+// A weight block and an activation block then meet in integers, and fp32 scales the result. For each
+// (weight row, x row), block b in order, with 16 fp32 sums acc[] (block b in lane b % 16):
+//   isum         = sum_j qw_j * q_j                        int32, exact (|isum| <= 32 * 128 * 127)
+//   c            = (d_w * d) * float(isum)                 fp32, each step rounded
+//   c            = c + m_w * (d * float(s))                Q4_1 only: its m term (weight = d_w * qw + m_w)
+//   acc[b % 16]  = acc[b % 16] + c
+// then out = (u0 + u2) + (u1 + u3), u_j = t_j + t_{j+4}, t_j = acc[j] + acc[j + 8]. (llama.cpp scales each block's
+// integer sum the same way, with fp16 d; its order of fp32 adds is its own.)
+//
+// Sixteen lanes so that the fp32 work is vector work: the integer sums of sixteen blocks are gathered into one
+// register (AVX-512: a quad of 4 blocks of each of four weight rows; AVX2: 8 blocks of one row) and scaled there.
+// Three x86 roads compute the integer sums (AVX512-VNNI's 512-bit vpdpbusd, AVX-VNNI's 256-bit one, AVX2's
+// vpmaddubsw + vpmaddwd) and one portable loop does; integers are exact and the fp32 steps are these, so all four
+// give the same bits, and a row's result depends on that row of x only. Each x86 road is compiled for its own
+// instructions (target attributes: this file includes its second half once per road) and the best the CPU has
+// is picked at run time, so one build serves CPUs with and without VNNI.
+#ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
+
+#include "nanoserve.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#define NANOSERVE_INT8_X86 1
+#include <immintrin.h>
+#endif
+
+namespace {
+namespace int8q {
+
+constexpr int64_t QK = 32;          // weights (and activations) per block
+constexpr int64_t Q4_1_BYTES = 20;  // fp16 d, fp16 m, 16 bytes of nibbles
+constexpr int64_t Q8_0_BYTES = 34;  // fp16 d, 32 signed bytes
+constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lane b % 16)
+constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
+constexpr int64_t ROWS_PER_TASK = 16;
+#ifndef INT8_PREFETCH_BYTES
+#define INT8_PREFETCH_BYTES 8192
+#endif
+// how far ahead of the quad in use its row's bytes are asked for: further than quant.cpp asks, as the integer
+// products eat bytes faster (a decode step's sweep over the model's matrices measured faster at 8 KB than at 4)
+constexpr int64_t PREFETCH = INT8_PREFETCH_BYTES;
+
+enum class Fmt { Q4_1, Q8_0 };
+
+template <Fmt F>
+constexpr int64_t block_bytes() { return F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+
+// x quantized, B rows, as the vector roads read it: 4 blocks to 128 bytes (a quad), the first halves (positions
+// 0..15) of blocks 4t..4t+3, then their second halves, zeros padding the last quad; a weight quad split the same
+// way (Q4_1's low and high nibbles) meets it in two 64-byte products. d, ds, s are padded with zeros to whole
+// groups of 16.
+struct Acts {
+  const int8_t* qi;  // (B, kq)
+  const float* d;    // (B, ld)
+  const float* ds;   // (B, ld) d * float(s): what Q4_1's m term multiplies
+  const int32_t* s;  // (B, ld)
+  int64_t nb, kq, ld;
+};
+
+// Where block b's first half lies in its row of qi (its second half 64 bytes on).
+inline int64_t lo_at(int64_t b) { return (b / 4) * QUAD + (b % 4) * 16; }
+
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// roundf: to nearest, halves away from zero (v - trunc(v) is exact, so this is roundf for every float).
+inline float round_away(float v) {
+  const float t = std::trunc(v);
+  return std::fabs(v - t) >= 0.5f ? t + std::copysign(1.0f, v) : t;
+}
+
+// A non-finite block, as every quantizer writes it.
+inline void quantize_bad(int8_t* lo, float* d, int32_t* s, float* ds) {
+  std::memset(lo, 0, 16);
+  std::memset(lo + 64, 0, 16);
+  *d = *ds = NAN;
+  *s = 0;
+}
+
+// One row of x (nb blocks) -> its blocks in qi (the quad layout), d, s, ds (nb each); the portable quantizer, which
+// the vector roads' quantizers match number for number.
+void quantize_row_scalar(const float* x, int64_t nb, int8_t* qi, float* d, int32_t* s, float* ds) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * QK;
+    int8_t* lo = qi + lo_at(b);
+    float amax = 0.0f;
+    int bad = 0;
+    for (int j = 0; j < QK; ++j) {
+      amax = std::max(amax, std::fabs(xb[j]));
+      bad |= !(std::fabs(xb[j]) <= FLT_MAX);  // inf or NaN
+    }
+    if (bad) {
+      quantize_bad(lo, d + b, s + b, ds + b);
+      continue;
+    }
+    const float db = amax / 127.0f;
+    const float id = db >= FLT_MIN ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < QK; ++j) {
+      // |x_j * id| <= 127 up to rounding, so the clamp never moves a value; it states what the products rely on
+      const int v = static_cast<int>(std::min(127.0f, std::max(-127.0f, round_away(xb[j] * id))));
+      lo[(j / 16) * 64 + j % 16] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = db;
+    s[b] = sum;
+    ds[b] = db * static_cast<float>(sum);
+  }
+}
+
+// The fixed tree over 16 lanes: t_j = a[j] + a[j + 8], then (t_j + t_{j+4}), (+ 2 along), (+ 1 along).
+inline float tree16(const float* a) {
+  float t[8];
+  for (int j = 0; j < 8; ++j) t[j] = a[j] + a[j + 8];
+  for (int j = 0; j < 4; ++j) t[j] = t[j] + t[j + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+// ---- the portable road: one (weight row, x row) at a time, the same steps one number at a time
+
+template <Fmt F>
+float dot_scalar(const uint8_t* w, const Acts& a, int64_t r) {
+  float acc[GROUP] = {};
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* blk = w + b * block_bytes<F>();
+    const int8_t* qx = a.qi + r * a.kq + lo_at(b);  // positions 0..15 at qx[0..15], 16..31 at qx[64..79]
+    int32_t isum = 0;
+    for (int j = 0; j < 16; ++j) {
+      if constexpr (F == Fmt::Q4_1) isum += (blk[4 + j] & 15) * qx[j] + (blk[4 + j] >> 4) * qx[64 + j];
+      else isum += static_cast<int8_t>(blk[2 + j]) * qx[j] + static_cast<int8_t>(blk[18 + j]) * qx[64 + j];
+    }
+    float c = half(blk) * a.d[r * a.ld + b] * static_cast<float>(isum);
+    if constexpr (F == Fmt::Q4_1) c = c + half(blk + 2) * a.ds[r * a.ld + b];
+    acc[b % GROUP] = acc[b % GROUP] + c;
+  }
+  return tree16(acc);
+}
+
+// Weight rows o0..o1 (row o at w + o * row_bytes) against all B rows of x: out[r * N + o].
+void rows_scalar(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
+                 float* out, int64_t N, const uint8_t*) {
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r = 0; r < B; ++r)
+      out[r * N + o] = f == Fmt::Q4_1 ? dot_scalar<Fmt::Q4_1>(w + o * row_bytes, a, r)
+                                      : dot_scalar<Fmt::Q8_0>(w + o * row_bytes, a, r);
+}
+
+// (the last argument: the end of the weight's bytes, which a road may not read past)
+using RowsFn = void (*)(Fmt, const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t,
+                        const uint8_t*);
+using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, float*);
+
+#ifdef NANOSERVE_INT8_X86
+// The x86 roads: this file's second half, once per road, each with its instructions enabled.
+#define NANOSERVE_INT8_ROAD 1
+#define INT8_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
+namespace avx512_vnni {
+#include __FILE__
+}
+#undef INT8_TARGET
+#undef NANOSERVE_INT8_ROAD
+#define NANOSERVE_INT8_ROAD 2
+#define INT8_TARGET "avx2,fma,f16c,avxvnni"
+namespace avx_vnni {
+#include __FILE__
+}
+#undef INT8_TARGET
+#undef NANOSERVE_INT8_ROAD
+#define NANOSERVE_INT8_ROAD 3
+#define INT8_TARGET "avx2,fma,f16c"
+namespace avx2 {
+#include __FILE__
+}
+#undef INT8_TARGET
+#undef NANOSERVE_INT8_ROAD
+#endif
+
+struct Road {
+  const char* name;
+  RowsFn rows;
+  QuantizeFn quantize;
+  bool (*here)();
+};
+
+bool always() { return true; }
+#ifdef NANOSERVE_INT8_X86
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avx512_vnni() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+bool has_avx_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
+#endif
+
+// Best first.
+const Road ROADS[] = {
+#ifdef NANOSERVE_INT8_X86
+    {"avx512-vnni", avx512_vnni::rows, avx512_vnni::quantize_row, has_avx512_vnni},
+    {"avx-vnni", avx_vnni::rows, avx_vnni::quantize_row, has_avx_vnni},
+    {"avx2", avx2::rows, avx2::quantize_row, has_avx2},
+#endif
+    {"scalar", rows_scalar, quantize_row_scalar, always},
+};
+
+const Road& pick(const std::string& name) {
+  std::string known;
+  for (const Road& road : ROADS) {
+    if (name.empty() ? road.here() : name == road.name) {
+      TORCH_CHECK(road.here(), "road: this CPU cannot run '", name, "'");
+      return road;
+    }
+    known += std::string(known.empty() ? "" : ", ") + road.name;
+  }
+  TORCH_CHECK(false, "road: unknown '", name, "'; this build has ", known);
+  return ROADS[0];
+}
+
+// x (B, K) float32, contiguous, quantized row by row by `road` into one buffer: qi, then d, ds, s.
+struct Quantized {
+  torch::Tensor buffer;
+  Acts acts;
+};
+
+Quantized quantize(const torch::Tensor& x, int64_t B, int64_t K, const Road& road) {
+  const int64_t nb = K / QK, kq = (nb + 3) / 4 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
+  Quantized z;
+  z.buffer = torch::empty({B * (kq + 3 * ld * 4)}, x.options().dtype(torch::kUInt8));
+  int8_t* qi = reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>());
+  float* d = reinterpret_cast<float*>(qi + B * kq);  // kq and ld * 4 are multiples of 64: every part aligned
+  float* ds = d + B * ld;
+  int32_t* s = reinterpret_cast<int32_t*>(ds + B * ld);
+  z.acts = Acts{qi, d, ds, s, nb, kq, ld};
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      int8_t* q = qi + r * kq;
+      if (nb % 4) {  // the last quad's missing blocks
+        for (int64_t b = nb; b % 4; ++b) {
+          std::memset(q + lo_at(b), 0, 16);
+          std::memset(q + lo_at(b) + 64, 0, 16);
+        }
+      }
+      for (int64_t b = nb; b < ld; ++b) d[r * ld + b] = ds[r * ld + b] = 0.0f, s[r * ld + b] = 0;
+      road.quantize(xp + r * K, nb, q, d + r * ld, s + r * ld, ds + r * ld);
+    }
+  });
+  return z;
+}
+
+int64_t checked_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x: expected a float32 CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: expected a contiguous tensor of at least one dim");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % QK == 0, "x: last dim ", K, " is not a multiple of the block size 32");
+  return K == 0 ? 0 : x.numel() / K;
+}
+
+}  // namespace int8q
+}  // namespace
+
+// x (..., K) float32 -> (q int8 (..., K), d float32 (..., K / 32), s int32 (..., K / 32)): the activations
+// block_linear_int8 multiplies, as `road`'s quantizer makes them ("" for the best this CPU has).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road) {
+  using namespace int8q;
+  const Road& chosen = pick(road);
+  const int64_t B = checked_rows(x), K = x.size(-1), nb = K / QK;
+  const Quantized z = quantize(x, B, K, chosen);
+  torch::Tensor q = torch::empty({B, K}, x.options().dtype(torch::kInt8));
+  torch::Tensor d = torch::empty({B, nb}, x.options());
+  torch::Tensor s = torch::empty({B, nb}, x.options().dtype(torch::kInt32));
+  for (int64_t r = 0; r < B; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* lo = z.acts.qi + r * z.acts.kq + lo_at(b);
+      std::memcpy(q.data_ptr<int8_t>() + r * K + b * QK, lo, 16);
+      std::memcpy(q.data_ptr<int8_t>() + r * K + b * QK + 16, lo + 64, 16);
+      d.data_ptr<float>()[r * nb + b] = z.acts.d[r * z.acts.ld + b];
+      s.data_ptr<int32_t>()[r * nb + b] = z.acts.s[r * z.acts.ld + b];
+    }
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  q = q.view(shape);
+  shape.back() = nb;
+  return {q, d.view(shape), s.view(shape)};
+}
+
+// x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N), x
+// quantized to int8 blocks first. road: "" for the best this CPU has, or one of int8_roads() by name.
+torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road) {
+  using namespace int8q;
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
+  const Fmt f = fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
+  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  const Road& chosen = pick(road);
+  const int64_t B = checked_rows(x), K = x.size(-1);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+              blocks.is_contiguous(), "blocks: expected a contiguous 2-dim uint8 CPU tensor, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t N = blocks.size(0), nb = K / QK, row_bytes = nb * bytes;
+  TORCH_CHECK(blocks.size(1) == row_bytes, "blocks: rows of ", blocks.size(1), " bytes, expected ", row_bytes, " (",
+              nb, " ", fmt, " blocks of ", bytes, " bytes for ", K, " inputs)");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  torch::Tensor out = torch::empty(shape, x.options());
+  if (B == 0 || N == 0) return out;
+  const Quantized z = quantize(x, B, K, chosen);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  const uint8_t* w_end = w + N * row_bytes;
+  float* o = out.data_ptr<float>();
+  // Threads split the weight rows; a task's rows stay in cache while every tile of x passes over them.
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK)
+      chosen.rows(f, w, row_bytes, o0, std::min(end, o0 + ROWS_PER_TASK), z.acts, B, o, N, w_end);
+  });
+  return out;
+}
+
+// The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".
+std::string int8_road() { return int8q::pick("").name; }
+
+// Every road this CPU can run, best first (each gives the same bits).
+std::vector<std::string> int8_roads() {
+  std::vector<std::string> names;
+  for (const int8q::Road& road : int8q::ROADS)
+    if (road.here()) names.emplace_back(road.name);
+  return names;
+}
+
+#else  // NANOSERVE_INT8_ROAD ---------------------------- one x86 road's loops, included once per road above
+
+#define ROAD_FN __attribute__((target(INT8_TARGET))) inline
+
+#if NANOSERVE_INT8_ROAD == 1  // ---- AVX512-VNNI: a quad of blocks to a register
+
+// x_j * id rounded as roundf (quantize_row_scalar's steps, 16 at a time) and clamped to +-127
+ROAD_FN __m512i round_away(__m512 v) {
+  const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m512 one = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(_mm512_set1_ps(1.0f)),
+      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(static_cast<int>(0x80000000u)))));  // copysign
+  const __m512 r = _mm512_mask_add_ps(t, up, t, one);
+  return _mm512_cvtps_epi32(_mm512_min_ps(_mm512_set1_ps(127.0f), _mm512_max_ps(_mm512_set1_ps(-127.0f), r)));
+}
+
+ROAD_FN void quantize_row(const float* x, int64_t nb, int8_t* qi, float* d, int32_t* s, float* ds) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1), top = _mm512_set1_ps(FLT_MAX);
+    int8_t* lo = qi + lo_at(b);
+    if ((_mm512_cmp_ps_mask(a0, top, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, top, _CMP_LE_OQ)) != 0xffff) {
+      quantize_bad(lo, d + b, s + b, ds + b);
+      continue;
+    }
+    const float db = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.0f;
+    const __m512 id = _mm512_set1_ps(db >= FLT_MIN ? 1.0f / db : 0.0f);
+    const __m512i q0 = round_away(_mm512_mul_ps(v0, id)), q1 = round_away(_mm512_mul_ps(v1, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 64), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = db;
+    s[b] = sum;
+    ds[b] = db * static_cast<float>(sum);
+  }
+}
+
+ROAD_FN __mmask16 first16(int64_t c) { return c >= 16 ? 0xffff : c <= 0 ? 0 : static_cast<__mmask16>((1u << c) - 1); }
+ROAD_FN __mmask32 first32(int64_t c) {
+  return c >= 32 ? 0xffffffffu : c <= 0 ? 0 : static_cast<__mmask32>((1u << c) - 1);
+}
+
+// Four weight rows go together, a quad of blocks (4 blocks) of each at a time: lane 4j + i of a register holds
+// row j's block i of the quad, so the 16 lanes are full whatever the row length, and the fp32 work of a quad of
+// four rows is one vector op. Row j's 16 sums (lane b % 16) live in four registers acc[t] (t = quad % 4), at
+// lanes 4j..4j+3: the tree then adds acc[0] + acc[2] and acc[1] + acc[3] as whole registers.
+//
+// Permute indices. Q4_1 (20 bytes = 5 dwords a block): block i's head (fp16 d, fp16 m) is the quad's dword 5i,
+// its nibbles dwords 5i + 1..5i + 4. Q8_0 (34 bytes = 17 words a block): block i's fp16 d is word 17i, its
+// weights words 17i + 1..17i + 16 (positions 16..31 read from 16 bytes on, at the same indices).
+alignas(64) constexpr int32_t Q41_NIBBLES[16] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 16, 17, 18, 19};
+alignas(64) constexpr int32_t Q41_HEADS[2][16] = {  // rows 0, 1 (or 2, 3) from their first 64 bytes
+    {0, 5, 10, 15, 16, 21, 26, 31},
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 5, 10, 15, 16, 21, 26, 31}};
+alignas(64) constexpr int16_t Q80_WEIGHTS[32] = {  // block i's positions 0..15 (words 17i + 1..17i + 8)
+    1, 2, 3, 4, 5, 6, 7, 8, 18, 19, 20, 21, 22, 23, 24, 25, 35, 36, 37, 38, 39, 40, 41, 42, 52, 53, 54, 55, 56, 57, 58, 59};
+alignas(64) constexpr int16_t Q80_HEADS[4][32] = {  // row j from its first 128 bytes, to words 4j..4j+3
+    {0, 17, 34, 51},
+    {0, 0, 0, 0, 0, 17, 34, 51},
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 34, 51},
+    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 34, 51}};
+
+ROAD_FN __m512i idx(const void* p) { return _mm512_load_si512(p); }
+
+// Quad t of four rows (row j's n real blocks at q[j]) -> each block's head in lane 4j + i (Q4_1: d | m << 16;
+// Q8_0: d in 16-bit lane 4j + i), and each row's weights as unsigned bytes in the activations' quad layout
+// (lo[j] = positions 0..15, hi[j] = 16..31). Masked loads read the n real blocks only; the rest are zero.
+// Q8_0's signed weights are moved to w + 128 (vpdpbusd multiplies unsigned by signed); the 128 * s this adds to
+// a block's sum is taken off after.
+template <Fmt F>
+ROAD_FN void load_quads(const uint8_t* const* q, int64_t n, __m512i& head, __m512i* lo, __m512i* hi) {
+  if constexpr (F == Fmt::Q4_1) {
+    const __m512i low = _mm512_set1_epi8(15);
+    __m512i first[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      first[j] = _mm512_maskz_loadu_epi32(first16(5 * n), q[j]);
+      const __m512i rest = _mm512_maskz_loadu_epi32(first16(5 * n - 16), q[j] + 64);
+      const __m512i v = _mm512_permutex2var_epi32(first[j], idx(Q41_NIBBLES), rest);
+      lo[j] = _mm512_and_si512(v, low);
+      hi[j] = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+    }
+    head = _mm512_mask_blend_epi32(0xff00, _mm512_permutex2var_epi32(first[0], idx(Q41_HEADS[0]), first[1]),
+                                   _mm512_permutex2var_epi32(first[2], idx(Q41_HEADS[1]), first[3]));
+  } else {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    head = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int64_t words = 17 * n;  // the real blocks' 16-bit words
+      const __m512i z0 = _mm512_maskz_loadu_epi16(first32(words), q[j]);
+      const __m512i z1 = _mm512_maskz_loadu_epi16(first32(words - 32), q[j] + 64);
+      const __m512i y0 = _mm512_maskz_loadu_epi16(first32(words - 8), q[j] + 16);  // the same 16 bytes on
+      const __m512i y1 = _mm512_maskz_loadu_epi16(first32(words - 40), q[j] + 80);
+      head = _mm512_mask_blend_epi16(0xfu << (4 * j), head, _mm512_permutex2var_epi16(z0, idx(Q80_HEADS[j]), z1));
+      lo[j] = _mm512_xor_si512(_mm512_permutex2var_epi16(z0, idx(Q80_WEIGHTS), z1), flip);
+      hi[j] = _mm512_xor_si512(_mm512_permutex2var_epi16(y0, idx(Q80_WEIGHTS), y1), flip);
+    }
+  }
+}
+
+// p_j: 128-bit lane i holds 4 partial sums of row j's block i -> the 16 sums, row j's block i in lane 4j + i.
+ROAD_FN __m512i block_sums(__m512i p0, __m512i p1, __m512i p2, __m512i p3) {
+  const __m512i b0 = _mm512_add_epi32(_mm512_unpacklo_epi64(p0, p1), _mm512_unpackhi_epi64(p0, p1));
+  const __m512i b1 = _mm512_add_epi32(_mm512_unpacklo_epi64(p2, p3), _mm512_unpackhi_epi64(p2, p3));
+  // lane i: (row 0, block i) and (row 1, block i) in b0, rows 2 and 3 in b1, two partial sums each
+  const __m512 f0 = _mm512_castsi512_ps(b0), f1 = _mm512_castsi512_ps(b1);
+  const __m512i c = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(f0, f1, _MM_SHUFFLE(2, 0, 2, 0))),
+                                     _mm512_castps_si512(_mm512_shuffle_ps(f0, f1, _MM_SHUFFLE(3, 1, 3, 1))));
+  // position 4i + j holds row j's block i
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), c);
+}
+
+// Quad t (n real blocks) of four weight rows (row j's blocks at row[j]) against R rows of x (from row r0): each
+// row of x's acc[U] (U = t % 4) takes the products in the lanes of the real blocks.
+template <Fmt F, int R, int U>
+ROAD_FN void step(const uint8_t* const* row, int64_t t, int64_t n, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+  const uint8_t* q[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {
+    q[j] = row[j] + t * 4 * block_bytes<F>();
+    for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * block_bytes<F>(); ahead += 64)  // every line of the quad
+      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), _MM_HINT_T0);
+  }
+  __m512i head, lo[4], hi[4];
+  load_quads<F>(q, n, head, lo, hi);
+  const __mmask16 real = static_cast<__mmask16>(0x1111u * ((1u << n) - 1));
+  const __m512 dw = _mm512_cvtph_ps(F == Fmt::Q4_1 ? _mm512_cvtepi32_epi16(head) : _mm512_castsi512_si256(head));
+  const __m512 mw = F == Fmt::Q4_1 ? _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(head, 16))) : dw;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int8_t* qx = a.qi + (r0 + r) * a.kq + t * QUAD;
+    const __m512i xlo = _mm512_loadu_si512(qx), xhi = _mm512_loadu_si512(qx + 64);
+    __m512i p[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      p[j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo), hi[j], xhi);
+    __m512i isum = block_sums(p[0], p[1], p[2], p[3]);
+    const int64_t at = (r0 + r) * a.ld + 4 * t;  // this quad's 4 activation blocks, the same for every row j
+    if constexpr (F == Fmt::Q8_0)  // the 128 * s
+      isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(
+                                        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + at))), 7));
+    __m512 c = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_broadcast_f32x4(_mm_loadu_ps(a.d + at))), _mm512_cvtepi32_ps(isum));
+    if constexpr (F == Fmt::Q4_1)
+      c = _mm512_add_ps(c, _mm512_mul_ps(mw, _mm512_broadcast_f32x4(_mm_loadu_ps(a.ds + at))));
+    acc[r][U] = _mm512_mask_add_ps(acc[r][U], real, acc[r][U], c);
+  }
+}
+
+// Four weight rows (row j at w + min(j, rows - 1) * row_bytes: a missing row repeats the last, unstored) against
+// R rows of x (from row r0): out[r * ldo + j].
+template <Fmt F, int R>
+ROAD_FN void tile(const uint8_t* w, int64_t row_bytes, int rows, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  const uint8_t* row[4];
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) row[j] = w + std::min(j, rows - 1) * row_bytes;
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; 4 * (t + 4) <= a.nb; t += 4) {  // whole groups of 16 blocks
+    step<F, R, 0>(row, t, 4, a, r0, acc);
+    step<F, R, 1>(row, t + 1, 4, a, r0, acc);
+    step<F, R, 2>(row, t + 2, 4, a, r0, acc);
+    step<F, R, 3>(row, t + 3, 4, a, r0, acc);
+  }
+  const int64_t left = a.nb - 4 * t;  // 0..15 blocks: up to 4 quads, the last maybe part of one
+  if (left > 0) step<F, R, 0>(row, t, std::min<int64_t>(4, left), a, r0, acc);
+  if (left > 4) step<F, R, 1>(row, t + 1, std::min<int64_t>(4, left - 4), a, r0, acc);
+  if (left > 8) step<F, R, 2>(row, t + 2, std::min<int64_t>(4, left - 8), a, r0, acc);
+  if (left > 12) step<F, R, 3>(row, t + 3, left - 12, a, r0, acc);
+  // the tree, four rows at once: lane 4j of v ends with row j's result
+  const __mmask16 store = static_cast<__mmask16>(0x1111u & ((1u << (4 * rows)) - 1));
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)));  // + 2 along
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));  // + 1 along
+    _mm512_mask_compressstoreu_ps(out + r * ldo, store, v);
+  }
+}
+
+constexpr int TILE = 4;  // rows of x per quad of four weight rows read
+
+
+#else  // ---- AVX-VNNI and AVX2: a pair of blocks to a register
+
+ROAD_FN __m256i round_away(__m256 v) {
+  const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC), sign = _mm256_set1_ps(-0.0f);
+  const __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(v, t)), _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+  const __m256 one = _mm256_or_ps(_mm256_set1_ps(1.0f), _mm256_and_ps(v, sign));  // copysign(1, v)
+  const __m256 r = _mm256_add_ps(t, _mm256_and_ps(up, one));
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_set1_ps(127.0f), _mm256_max_ps(_mm256_set1_ps(-127.0f), r)));
+}
+
+ROAD_FN void quantize_row(const float* x, int64_t nb, int8_t* qi, float* d, int32_t* s, float* ds) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(FLT_MAX);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4], m = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
+      const __m256 av = _mm256_andnot_ps(sign, v[i]);
+      m = _mm256_max_ps(m, av);
+      ok = _mm256_and_ps(ok, _mm256_cmp_ps(av, top, _CMP_LE_OQ));
+    }
+    int8_t* lo = qi + lo_at(b);
+    if (_mm256_movemask_ps(ok) != 0xff) {
+      quantize_bad(lo, d + b, s + b, ds + b);
+      continue;
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float db = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) / 127.0f;
+    const __m256 id = _mm256_set1_ps(db >= FLT_MIN ? 1.0f / db : 0.0f);
+    __m256i q[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) q[i] = round_away(_mm256_mul_ps(v[i], id));
+    const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    // int32 -> int8 in order: the packs interleave 128-bit lanes, the permute undoes it
+    const __m256i p = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), _mm256_castsi256_si128(p));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + 64), _mm256_extracti128_si256(p, 1));
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, _MM_SHUFFLE(2, 3, 0, 1))));
+    d[b] = db;
+    s[b] = sum;
+    ds[b] = db * static_cast<float>(sum);
+  }
+}
+
+// The pair's weights as unsigned bytes (u) and the activations' matching signed bytes: sums of u * s, 8 int32
+// (128-bit lane i: 4 partial sums of block i). Q4_1: nibbles times x. Q8_0 with VNNI: w + 128 times x, the
+// 128 * s taken off after; with AVX2, |w| times x with w's sign (vpmaddubsw's int16 pairs would saturate on
+// w + 128). No int16 sum can saturate: |u| <= 15 (Q4_1) or 128 (|w|), |x| <= 127.
+#if NANOSERVE_INT8_ROAD == 2
+ROAD_FN __m256i dot(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+constexpr bool FLIP = true;  // Q8_0 as w + 128
+#else
+ROAD_FN __m256i dot(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+constexpr bool FLIP = false;  // Q8_0 as |w| and sign
+#endif
+
+template <Fmt F>
+ROAD_FN __m256i pair_bytes(const uint8_t* blk, int64_t off) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + off))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + block_bytes<F>() + off)), 1);
+}
+
+// blocks blk, blk + 1 against activations xlo (positions 0..15 of both) and xhi (16..31)
+template <Fmt F>
+ROAD_FN __m256i pair_sums(const uint8_t* blk, __m256i xlo, __m256i xhi) {
+  if constexpr (F == Fmt::Q4_1) {
+    const __m256i v = pair_bytes<F>(blk, 4), low = _mm256_set1_epi8(15);
+    return dot(dot(_mm256_setzero_si256(), _mm256_and_si256(v, low), xlo),
+               _mm256_and_si256(_mm256_srli_epi16(v, 4), low), xhi);
+  } else if constexpr (FLIP) {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    return dot(dot(_mm256_setzero_si256(), _mm256_xor_si256(pair_bytes<F>(blk, 2), flip), xlo),
+               _mm256_xor_si256(pair_bytes<F>(blk, 18), flip), xhi);
+  } else {
+    const __m256i wlo = pair_bytes<F>(blk, 2), whi = pair_bytes<F>(blk, 18);
+    return dot(dot(_mm256_setzero_si256(), _mm256_abs_epi8(wlo), _mm256_sign_epi8(xlo, wlo)), _mm256_abs_epi8(whi),
+               _mm256_sign_epi8(xhi, whi));
+  }
+}
+
+// y_k: 128-bit lane i holds 4 partial sums of block 2k + i -> the 8 blocks' sums, block b in lane b.
+ROAD_FN __m256i block_sums(__m256i y0, __m256i y1, __m256i y2, __m256i y3) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(y0, y1), _mm256_hadd_epi32(y2, y3));
+  // lane 0: blocks 0, 2, 4, 6; lane 1: blocks 1, 3, 5, 7
+  return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+ROAD_FN float tree16v(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);                                          // a[j] + a[j + 8]
+  __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // + 4 along
+  u = _mm_add_ps(u, _mm_movehl_ps(u, u));                                         // + 2 along
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));                        // + 1 along
+}
+
+ROAD_FN int32_t load4(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 8 halves at 16-bit offset `shift` of 8 dwords -> 8 floats
+ROAD_FN __m256 halves(__m256i v, int shift) {
+  const __m256i h = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0xffff));
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);  // the 8 halves in the low 128 bits
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+}
+
+// One weight row's group of 16 blocks from block b0 (n real, NQ quads to read) against R rows of x; lanes 0..7
+// of each row's sums in acc[2r], lanes 8..15 in acc[2r + 1]. Reads whole quads, and the heads of whole halves of
+// 8 blocks: the caller makes sure they lie in the weight's memory (bytes past block n meet zero activations and
+// masked lanes, so what they hold does not matter).
+template <Fmt F, int R, int NQ>
+ROAD_FN void group(const uint8_t* blk, int64_t n, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
+  constexpr int64_t BYTES = block_bytes<F>();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), _MM_HINT_T0);
+#pragma GCC unroll 2
+  for (int h = 0; h < (NQ + 1) / 2; ++h) {  // blocks 8h .. 8h + 7: quads 2h, 2h + 1
+    const uint8_t* hb = blk + 8 * h * BYTES;
+    const __m256i head = _mm256_setr_epi32(load4(hb), load4(hb + BYTES), load4(hb + 2 * BYTES), load4(hb + 3 * BYTES),
+                                           load4(hb + 4 * BYTES), load4(hb + 5 * BYTES), load4(hb + 6 * BYTES),
+                                           load4(hb + 7 * BYTES));
+    const __m256 dw = halves(head, 0), mw = F == Fmt::Q4_1 ? halves(head, 16) : dw;
+    const __m256 real = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - 8 * h)), lane));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* qx = a.qi + (r0 + r) * a.kq + (b0 / 4 + 2 * h) * QUAD;
+      __m256i y[4];
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {  // pair p: blocks 8h + 2p, + 1: quad 2h + p / 2, its half p % 2
+        if (2 * h + p / 2 < NQ) {
+          const int8_t* xq = qx + (p / 2) * QUAD + (p % 2) * 32;
+          y[p] = pair_sums<F>(hb + 2 * p * BYTES, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq)),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 64)));
+        } else {
+          y[p] = _mm256_setzero_si256();
+        }
+      }
+      __m256i isum = block_sums(y[0], y[1], y[2], y[3]);
+      const int64_t at = (r0 + r) * a.ld + b0 + 8 * h;
+      if constexpr (F == Fmt::Q8_0 && FLIP)
+        isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + at)), 7));
+      __m256 c = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a.d + at)), _mm256_cvtepi32_ps(isum));
+      if constexpr (F == Fmt::Q4_1) c = _mm256_add_ps(c, _mm256_mul_ps(mw, _mm256_loadu_ps(a.ds + at)));
+      __m256& ac = acc[2 * r + h];
+      ac = _mm256_blendv_ps(ac, _mm256_add_ps(ac, c), real);
+    }
+  }
+}
+
+// The last group's n blocks (fewer than 16) at src.
+template <Fmt F, int R>
+ROAD_FN void tail(const uint8_t* src, int64_t n, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
+  switch ((n + 3) / 4) {
+    case 1: group<F, R, 1>(src, n, a, r0, b0, acc); break;
+    case 2: group<F, R, 2>(src, n, a, r0, b0, acc); break;
+    case 3: group<F, R, 3>(src, n, a, r0, b0, acc); break;
+    default: group<F, R, 4>(src, n, a, r0, b0, acc); break;
+  }
+}
+
+// One weight row against R rows of x (from row r0): out[r * ldo]. A last group that would read past the weight's
+// end (w_end) is read from a copy.
+template <Fmt F, int R>
+ROAD_FN void tile(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64_t ldo, const uint8_t* w_end) {
+  constexpr int64_t BYTES = block_bytes<F>();
+  __m256 acc[2 * R];
+#pragma GCC unroll 8
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t b0 = 0;
+  for (; b0 + GROUP <= a.nb; b0 += GROUP) group<F, R, 4>(w + b0 * BYTES, GROUP, a, r0, b0, acc);
+  const int64_t n = a.nb - b0;
+  if (n > 0) {
+    const uint8_t* src = w + b0 * BYTES;
+    if (src + (n + 7) / 8 * 8 * BYTES <= w_end) {  // group reads 8 blocks' heads at a time
+      tail<F, R>(src, n, a, r0, b0, acc);
+    } else {
+      uint8_t copy[GROUP * BYTES] = {};
+      std::memcpy(copy, src, n * BYTES);
+      tail<F, R>(copy, n, a, r0, b0, acc);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+    out[r * ldo] = tree16v(acc[2 * r], acc[2 * r + 1]);
+}
+
+constexpr int TILE = 4;  // rows of x per pair of blocks read
+
+#endif
+
+template <Fmt F, int R = TILE>
+ROAD_FN void rows_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a,
+                       int64_t r0, float* out, int64_t ldo, const uint8_t* w_end) {
+  if constexpr (R > 0) {
+    if (rows != R) return rows_tile<F, R - 1>(rows, w, row_bytes, o0, o1, a, r0, out, ldo, w_end);
+#if NANOSERVE_INT8_ROAD == 1
+    for (int64_t o = o0; o < o1; o += 4)
+      tile<F, R>(w + o * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, o1 - o)), a, r0, out + o, ldo);
+#else
+    for (int64_t o = o0; o < o1; ++o) tile<F, R>(w + o * row_bytes, a, r0, out + o, ldo, w_end);
+#endif
+  }
+}
+
+// Weight rows o0..o1 against all B rows of x, TILE rows of x at a time: out[r * N + o].
+__attribute__((target(INT8_TARGET))) void rows(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1,
+                                               const Acts& a, int64_t B, float* out, int64_t N, const uint8_t* w_end) {
+  for (int64_t r0 = 0; r0 < B; r0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, B - r0));
+    if (f == Fmt::Q4_1) rows_tile<Fmt::Q4_1>(n, w, row_bytes, o0, o1, a, r0, out + r0 * N, N, w_end);
+    else rows_tile<Fmt::Q8_0>(n, w, row_bytes, o0, o1, a, r0, out + r0 * N, N, w_end);
+  }
+}
+
+#undef ROAD_FN
+#endif

@@ -1,0 +1,162 @@
+"""The block product with int8 activations, as llama.cpp multiplies GGUF blocks; opt-in.
+
+`quant.block_linear` expands each weight block to fp32 and multiplies x as it is. llama.cpp instead
+quantizes x too, 32 numbers to a block (its Q8_1 activations), and takes each block's dot product in
+integers: the weights stay 4- or 8-bit numbers, one vpdpbusd (VNNI) multiplies 64 bytes by 64 bytes and
+adds them in fours, and the fp32 work is a few steps a block instead of one a weight. The price is x's
+rounding: each activation moves by up to half its block's step, d / 2 = max|x| / 254, so this is a
+different product from the fp32 one (`error_bound` says by how much at most), and nothing calls it
+unless asked.
+
+The arithmetic (`csrc/int8.cpp` says it in full), per row of x and weight row:
+
+    x's block b:  d = max|x_j| / 127,  q_j = roundf(x_j * (1 / d)),  s = sum_j q_j
+                  (ggml's quantize_row_q8_1_ref, with d and d * s kept in fp32 where ggml stores fp16)
+    the product:  isum = sum_j qw_j * q_j (int32, exact)
+                  c = (d_w * d) * isum  (+ m_w * (d * s) for Q4_1, whose weights are d_w * qw + m_w)
+                  acc[b % 16] += c, block by block
+    the end:      the 16 sums added in a fixed tree (`tree16`)
+
+The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI, AVX-VNNI, AVX2, the
+portable loop) gives the same bits, a row's result depends on that row of x only, and
+`block_linear_int8_reference` (torch, the same steps) gives them too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
+
+from . import _enabled
+from . import load as load_kernels
+from .quant import BLOCK, block_bytes
+
+LANES = 16  # fp32 sums per dot product: block b is scaled into lane b % 16
+FLT_MIN = torch.finfo(torch.float32).tiny  # a smaller scale's 1 / d would overflow: the block is taken as zero
+REFERENCE_ELEMENTS = 1 << 22  # block sums the reference holds at once (16 MB); it walks weight rows in chunks
+
+
+def _blocks_of(x: Tensor) -> Tensor:
+    if x.dtype != torch.float32:
+        raise TypeError(f"x: expected float32, got {x.dtype}")
+    K = x.shape[-1]
+    if K % BLOCK:
+        raise ValueError(f"x: last dim {K} is not a multiple of the block size {BLOCK}")
+    return x.reshape(-1, K // BLOCK, BLOCK)  # (rows, nb, 32)
+
+
+def round_away(v: Tensor) -> Tensor:
+    """C's roundf: to nearest, halves away from zero (torch.round sends them to even). v - trunc(v) is exact."""
+    t = v.trunc()
+    return torch.where((v - t).abs() >= 0.5, t + torch.sign(v), t)
+
+
+def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """x (..., K) fp32 -> q int8 (..., K), d fp32 (..., K / 32), s int32 (..., K / 32): each block of 32 as
+    ggml's quantize_row_q8_1_ref makes it (d = max|x| / 127, q = roundf(x * (1 / d)), s = sum q), d kept fp32.
+    A block holding inf or NaN gets d = NaN and q = 0; one whose d is below FLT_MIN gets q = 0."""
+    xb = _blocks_of(x)  # (rows, nb, 32)
+    amax = xb.abs().amax(-1)  # (rows, nb)
+    bad = ~torch.isfinite(xb).all(-1)
+    d = amax / 127
+    inv = torch.where(d >= FLT_MIN, 1 / d, torch.zeros_like(d))
+    q = round_away(xb * inv[..., None]).clamp(-127, 127)  # |x * inv| <= 127 up to rounding: the clamp never moves
+    q = torch.where(bad[..., None], torch.zeros_like(q), q).to(torch.int8)
+    d = torch.where(bad, torch.full_like(d, float("nan")), d)
+    s = q.sum(-1, dtype=torch.int32)
+    nb_shape = (*x.shape[:-1], x.shape[-1] // BLOCK)
+    return q.view(x.shape), d.view(nb_shape), s.view(nb_shape)
+
+
+def weight_ints(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
+    """blocks (N, nb * bytes) -> (q (N, nb, 32) int32 in position order, d_w (N, nb) fp32, m_w (N, nb) fp32 or None)."""
+    nbytes = block_bytes(fmt)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % nbytes:
+        raise ValueError(f"blocks: expected uint8 (rows, n * {nbytes}) for {fmt}, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    b = blocks.reshape(blocks.shape[0], -1, nbytes)  # (N, nb, bytes)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()[..., 0]  # (N, nb)
+    if fmt == "q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        qs = b[..., 4:]  # (N, nb, 16): position j in byte j's low nibble, position j + 16 in its high nibble
+        return torch.cat([qs & 15, qs >> 4], -1).int(), d, m
+    return b[..., 2:].contiguous().view(torch.int8).int(), d, None
+
+
+def block_linear_int8_reference(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:
+    """The compiled product's arithmetic in torch, step for step: x (..., K) fp32, blocks (N, K / 32 * bytes)
+    -> (..., N), the same bits as `block_linear_int8` on every road."""
+    q, d, s = quantize_activations(x)
+    qw, dw, mw = weight_ints(blocks, fmt)  # (N, nb, 32), (N, nb), (N, nb)
+    N, nb = dw.shape
+    if nb * BLOCK != x.shape[-1]:
+        raise ValueError(f"blocks: {nb} {fmt} blocks a row do not take {x.shape[-1]} inputs")
+    B = q.numel() // max(nb * BLOCK, 1)
+    qx = q.reshape(B, nb, BLOCK).float()  # small integers: fp32 holds them, and their block sums, exactly
+    d = d.reshape(B, nb)
+    ds = d * s.reshape(B, nb).float()  # what Q4_1's m multiplies
+    out = torch.empty(B, N)
+    step = max(1, REFERENCE_ELEMENTS // max(B * nb, 1))
+    for n0 in range(0, N, step):
+        n1 = min(N, n0 + step)
+        # isum[r, n, b]: block b's dot product in integers (below 2^20: exact in fp32 in any order)
+        isum = torch.einsum("rbj,nbj->rnb", qx, qw[n0:n1].float())
+        acc = torch.zeros(B, n1 - n0, LANES)
+        for b in range(nb):  # block by block, in order, block b into lane b % 16
+            c = (dw[None, n0:n1, b] * d[:, None, b]) * isum[..., b]  # (B, n): (d_w * d) * isum
+            if mw is not None:
+                c = c + mw[None, n0:n1, b] * ds[:, None, b]  # + m_w * (d * s)
+            acc[..., b % LANES] = acc[..., b % LANES] + c
+        out[:, n0:n1] = tree16(acc)
+    return out.view(*x.shape[:-1], N)
+
+
+def tree16(a: Tensor) -> Tensor:
+    """(..., 16) -> (...): the kernel's fixed tree, t_j = a[j] + a[j + 8], then + 4 along, + 2 along, + 1 along."""
+    t = a[..., :8] + a[..., 8:]
+    t = t[..., :4] + t[..., 4:]
+    return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
+
+
+def compiled() -> bool:
+    """Whether `block_linear_int8` runs the compiled kernel now: built, and no `kernels.torch_ops()` block open."""
+    return _enabled.get() and load_kernels() is not None
+
+
+def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = None) -> Tensor:
+    """x (..., K) fp32 @ w.T for the weight w (N, K) that `blocks` hold, x taken as int8 blocks -> (..., N).
+    road: None for the best this CPU has, or one of `int8_roads()` (they give the same bits); where the
+    kernels are not built, or inside `kernels.torch_ops()`, the torch reference runs (the same bits again)."""
+    if has_torch_function((x, blocks)):
+        return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road)
+    block_bytes(fmt)
+    if compiled() and not (x.requires_grad and torch.is_grad_enabled()):
+        return load_kernels().block_linear_int8(x.contiguous(), blocks, fmt, road or "")  # type: ignore[union-attr]
+    if road is not None:
+        raise RuntimeError(f"road {road!r}: the compiled kernels are not in use here")
+    return block_linear_int8_reference(x, blocks, fmt)
+
+
+def int8_road() -> str:
+    """The road `block_linear_int8` takes here: "avx512-vnni", "avx-vnni", "avx2", "scalar", or "torch"
+    where the kernels are not in use."""
+    return load_kernels().int8_road() if compiled() else "torch"  # type: ignore[union-attr]
+
+
+def int8_roads() -> list[str]:
+    """Every compiled road this CPU can run, best first (empty where the kernels are not in use)."""
+    return list(load_kernels().int8_roads()) if compiled() else []  # type: ignore[union-attr]
+
+
+def error_bound(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:
+    """How far x's rounding may move the product from the exact product of the same weights, per output
+    (..., N): each activation moves by at most d / 2 (a hair more: 1 / d is itself rounded), so
+    |error| <= sum over blocks of d / 2 * sum_j |w_j|. fp32's rounding of the sums comes on top, far smaller."""
+    from .quant import dequantize
+
+    _, d, _ = quantize_activations(x)
+    wabs = dequantize(blocks, fmt).abs().double()
+    N = wabs.shape[0]
+    wsum = wabs.view(N, -1, BLOCK).sum(-1)  # (N, nb)
+    return ((d.double() / 2) @ wsum.T).float()

@@ -1,0 +1,205 @@
+"""The int8-activation block product against its torch reference (bit for bit, on every road the CPU has),
+ggml's activation rounding, the fp32 block product (within the rounding of x it promises), the same bits for a
+row in any batch, and its refusals of bad input."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve import kernels
+from nanoserve.kernels import int8, quant
+
+HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
+FORMATS = ["q4_1", "q8_0"]
+# (out rows, in features): block counts off every quad and group of 16, row counts off every tile of four
+SHAPES = [(1, 32), (5, 96), (7, 160), (13, 512), (33, 576), (21, 608), (50, 1536), (4, 2080)]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = kernels.load()
+    if module is None:
+        if HAVE_COMPILER:
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {kernels.unavailable_reason()}")
+        pytest.skip(f"no C++ compiler: {kernels.unavailable_reason()}")
+    return module
+
+
+def blocks_for(n: int, k: int, fmt: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    return quant.quantize(w, fmt), w
+
+
+def activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    """Gaussian rows with a few loud channels, as a decoder's hidden states have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    x[:, torch.randperm(k, generator=g)[: max(1, k // 100)]] *= 30
+    return x
+
+
+def ggml_q8_1_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """ggml's quantize_row_q8_1_ref transcribed (fp32 steps; roundf in float64, where |v| + 0.5 is exact), with
+    d and s kept unrounded: rows (R, K) -> q (R, K), d (R, K / 32), s (R, K / 32)."""
+    xb = x.astype(np.float32).reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(-1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
+    v = (xb * inv[..., None]).astype(np.float32).astype(np.float64)
+    q = (np.sign(v) * np.floor(np.abs(v) + 0.5)).astype(np.int8)
+    return q.reshape(x.shape), d, q.astype(np.int32).sum(-1)
+
+
+def test_activations_are_rounded_as_ggml_rounds_them(ext):
+    x = activations(6, 256, seed=1)
+    x[0, :32] = torch.arange(-16, 16) + 0.5  # max 15.5: d = 15.5 / 127, and x * (1 / d) lands near halves
+    x[1, :32] = torch.tensor([127.0] + [-126.5, 2.5, -3.5, 0.5, -0.5] + [0.0] * 26)  # d = 1: exact halves
+    q, d, s = int8.quantize_activations(x)
+    want_q, want_d, want_s = ggml_q8_1_ref(x.numpy())
+    assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d) and np.array_equal(s.numpy(), want_s)
+    assert q[1, 1:6].tolist() == [-127, 3, -4, 1, -1]  # halves away from zero, where torch.round goes to even
+    for road in ext.int8_roads():  # each road's own quantizer
+        for mine, ref in zip(ext.quantize_activations_int8(x, road), (q, d, s), strict=True):
+            assert torch.equal(mine, ref), road
+
+
+def test_zero_tiny_and_non_finite_blocks(ext):
+    x = torch.randn(4, 128)
+    x[0, :32] = 0  # d = 0, q = 0
+    x[1, 32:64] = 1e-40  # d below FLT_MIN: q = 0 (its 1 / d would overflow)
+    x[2, 64] = float("nan")
+    x[3, 100] = float("inf")
+    q, d, s = int8.quantize_activations(x)
+    assert d[0, 0] == 0 and not q[0, :32].any() and s[0, 0] == 0
+    assert 0 < d[1, 1] < torch.finfo(torch.float32).tiny and not q[1, 32:64].any()
+    assert d[2, 2].isnan() and d[3, 3].isnan() and not q[2, 64:96].any() and not q[3, 96:128].any()
+    assert d[:, :2].isfinite().all() and d[0].isfinite().all()
+    blocks, _ = blocks_for(9, 128, "q4_1", seed=2)
+    want = int8.block_linear_int8_reference(x, blocks, "q4_1")
+    assert want[2:].isnan().all() and want[:2].isfinite().all()  # a non-finite activation: its row is NaN
+    for road in ext.int8_roads():
+        assert torch.equal(ext.block_linear_int8(x[:2], blocks, "q4_1", road), want[:2]), road
+        assert ext.block_linear_int8(x, blocks, "q4_1", road)[2:].isnan().all(), road
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_road_is_the_reference_bit_for_bit(ext, fmt, shape):
+    n, k = shape
+    blocks, _ = blocks_for(n, k, fmt, seed=n + k)
+    x = activations(8, k, seed=k)
+    roads = ext.int8_roads()
+    assert roads[-1] == "scalar" and ext.int8_road() == roads[0]
+    with torch.inference_mode():
+        for rows in range(1, 9):
+            want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
+            assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt), want), rows
+            for road in roads:
+                assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt, road), want), (road, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(576, 1536), (49152, 576)])
+def test_real_shapes_are_the_reference_bit_for_bit(ext, fmt, shape):
+    """The model's down projection and its LM head (the head's 49152 rows take the reference a while)."""
+    n, k = shape
+    blocks, _ = blocks_for(n, k, fmt, seed=11)
+    x = activations(8, k, seed=12)
+    with torch.inference_mode():
+        for rows in (1, 3, 8) if n > 10000 else range(1, 9):
+            want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
+            for road in ext.int8_roads():
+                assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt, road), want), (road, rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_row_has_the_same_bits_in_any_batch(ext, fmt):
+    """The engine batches rows freely: a row's product may not depend on the rows beside it."""
+    blocks, _ = blocks_for(203, 576, fmt, seed=3)
+    x = activations(37, 576, seed=4)
+    with torch.inference_mode():
+        for road in ext.int8_roads():
+            full = int8.block_linear_int8(x, blocks, fmt, road)
+            for rows in ([5], [0, 36], list(range(3, 12)), list(range(36, -1, -3)), list(range(1, 37))):
+                assert torch.equal(int8.block_linear_int8(x[rows], blocks, fmt, road), full[rows]), (road, rows)
+            assert torch.equal(int8.block_linear_int8(x.view(37, 1, 576), blocks, fmt, road), full.view(37, 1, 203))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
+@pytest.mark.parametrize("loud", [False, True])
+def test_error_against_the_fp32_block_product(ext, fmt, shape, loud):
+    """Per output, int8 - fp32 is within x's rounding (`error_bound`) plus both products' fp32 rounding. Over a
+    matrix (relative, Frobenius): within 1% for Gaussian activations, 2% with loud channels (a loud channel's
+    block has a coarse step for all 32 of its numbers)."""
+    n, k = shape
+    blocks, _ = blocks_for(n, k, fmt, seed=5)
+    w = quant.dequantize(blocks, fmt).double()
+    x = activations(8, k, seed=6) if loud else torch.randn(8, k, generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        got = int8.block_linear_int8(x, blocks, fmt).double()
+        fp32 = quant.block_linear(x, blocks, fmt).double()
+    rounding = 2.0**-16 * (x.double().abs() @ w.abs().T)  # fp32 sums of both products, generously
+    assert ((got - fp32).abs() <= int8.error_bound(x, blocks, fmt).double() * (1 + 1e-3) + rounding).all()
+    assert ((got - fp32).norm() / fp32.norm()).item() < (0.02 if loud else 0.01)
+
+
+def test_bad_inputs_are_refused_with_the_reason(ext):
+    blocks, _ = blocks_for(8, 64, "q4_1", seed=7)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="last dim 48 is not a multiple of the block size 32"):
+        ext.block_linear_int8(torch.randn(2, 48), blocks, "q4_1", "")
+    with pytest.raises(RuntimeError, match="blocks: rows of 40 bytes, expected 68"):
+        ext.block_linear_int8(x, blocks, "q8_0", "")  # Q4_1 rows read as Q8_0
+    with pytest.raises(RuntimeError, match="blocks: rows of 40 bytes, expected 80"):
+        ext.block_linear_int8(torch.randn(2, 128), blocks, "q4_1", "")  # a weight for 64 inputs, x of 128
+    with pytest.raises(RuntimeError, match="x: expected a float32 CPU tensor"):
+        ext.block_linear_int8(x.double(), blocks, "q4_1", "")
+    with pytest.raises(RuntimeError, match="blocks: expected a contiguous 2-dim uint8"):
+        ext.block_linear_int8(x, blocks.to(torch.int8), "q4_1", "")
+    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0', got 'q4_0'"):
+        ext.block_linear_int8(x, blocks, "q4_0", "")
+    with pytest.raises(RuntimeError, match="road: unknown 'avx9'; this build has"):
+        ext.block_linear_int8(x, blocks, "q4_1", "avx9")
+    with pytest.raises(RuntimeError, match="last dim 40 is not a multiple of the block size 32"):
+        ext.quantize_activations_int8(torch.randn(3, 40), "")
+    with pytest.raises(ValueError, match="unknown block format 'q4_0'"):
+        int8.block_linear_int8(x, blocks, "q4_0")
+    with pytest.raises(ValueError, match="x: last dim 48 is not a multiple of the block size 32"):
+        int8.quantize_activations(torch.randn(2, 48))
+    with pytest.raises(ValueError, match="blocks: 2 q4_1 blocks a row do not take 128 inputs"):
+        int8.block_linear_int8_reference(torch.randn(2, 128), blocks, "q4_1")
+    with pytest.raises(TypeError, match="x: expected float32"):
+        int8.block_linear_int8_reference(x.double(), blocks, "q4_1")
+
+
+def test_the_road_is_the_best_this_cpu_has(ext):
+    flags = set()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        line = next((ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")), "")
+        flags = set(line.split(":")[-1].split())
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        assert int8.int8_road() == "avx512-vnni"
+    elif "avx_vnni" in flags:
+        assert int8.int8_road() == "avx-vnni"
+    elif {"avx2", "fma", "f16c"} <= flags:
+        assert int8.int8_road() == "avx2"
+    assert int8.int8_roads() == ext.int8_roads() and int8.int8_road() in int8.int8_roads()
+
+
+def test_the_torch_road_is_the_same_bits(ext):
+    """Inside kernels.torch_ops() (and where nothing compiled) the reference runs: the same numbers."""
+    blocks, _ = blocks_for(40, 320, "q4_1", seed=8)
+    x = activations(6, 320, seed=9)
+    with torch.inference_mode():
+        on = int8.block_linear_int8(x, blocks, "q4_1")
+        with kernels.torch_ops():
+            assert int8.int8_road() == "torch" and int8.int8_roads() == []
+            assert torch.equal(int8.block_linear_int8(x, blocks, "q4_1"), on)
+            with pytest.raises(RuntimeError, match="road 'avx2': the compiled kernels are not in use"):
+                int8.block_linear_int8(x, blocks, "q4_1", "avx2")
