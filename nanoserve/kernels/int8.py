@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import _enabled
+from . import available, resolve
 from . import load as load_kernels
 from .quant import BLOCK, block_bytes
 
@@ -119,19 +119,15 @@ def tree16(a: Tensor) -> Tensor:
     return (t[..., 0] + t[..., 2]) + (t[..., 1] + t[..., 3])
 
 
-def compiled() -> bool:
-    """Whether `block_linear_int8` runs the compiled kernel now: built, and no `kernels.torch_ops()` block open."""
-    return _enabled.get() and load_kernels() is not None
-
-
-def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = None) -> Tensor:
+def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = None,
+                      compiled: bool | None = None) -> Tensor:
     """x (..., K) fp32 @ w.T for the weight w (N, K) that `blocks` hold, x taken as int8 blocks -> (..., N).
     road: None for the best this CPU has, or one of `int8_roads()` (they give the same bits); where the
-    kernels are not built, or inside `kernels.torch_ops()`, the torch reference runs (the same bits again)."""
+    kernels are not built, or with compiled=False, the torch reference runs (the same bits again)."""
     if has_torch_function((x, blocks)):
-        return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road)
+        return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road, compiled)
     block_bytes(fmt)
-    if compiled() and not (x.requires_grad and torch.is_grad_enabled()):
+    if resolve(compiled) and not (x.requires_grad and torch.is_grad_enabled()):
         return load_kernels().block_linear_int8(x.contiguous(), blocks, fmt, road or "")  # type: ignore[union-attr]
     if road is not None:
         raise RuntimeError(f"road {road!r}: the compiled kernels are not in use here")
@@ -141,12 +137,12 @@ def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = No
 def int8_road() -> str:
     """The road `block_linear_int8` takes here: "avx512-vnni", "avx-vnni", "avx2", "scalar", or "torch"
     where the kernels are not in use."""
-    return load_kernels().int8_road() if compiled() else "torch"  # type: ignore[union-attr]
+    return load_kernels().int8_road() if available() else "torch"  # type: ignore[union-attr]
 
 
 def int8_roads() -> list[str]:
     """Every compiled road this CPU can run, best first (empty where the kernels are not in use)."""
-    return list(load_kernels().int8_roads()) if compiled() else []  # type: ignore[union-attr]
+    return list(load_kernels().int8_roads()) if available() else []  # type: ignore[union-attr]
 
 
 def error_bound(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:

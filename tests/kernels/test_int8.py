@@ -193,13 +193,11 @@ def test_the_road_is_the_best_this_cpu_has(ext):
 
 
 def test_the_torch_road_is_the_same_bits(ext):
-    """Inside kernels.torch_ops() (and where nothing compiled) the reference runs: the same numbers."""
+    """With compiled=False (and where nothing compiled) the reference runs: the same numbers."""
     blocks, _ = blocks_for(40, 320, "q4_1", seed=8)
     x = activations(6, 320, seed=9)
     with torch.inference_mode():
         on = int8.block_linear_int8(x, blocks, "q4_1")
-        with kernels.torch_ops():
-            assert int8.int8_road() == "torch" and int8.int8_roads() == []
-            assert torch.equal(int8.block_linear_int8(x, blocks, "q4_1"), on)
-            with pytest.raises(RuntimeError, match="road 'avx2': the compiled kernels are not in use"):
-                int8.block_linear_int8(x, blocks, "q4_1", "avx2")
+        assert torch.equal(int8.block_linear_int8(x, blocks, "q4_1", compiled=False), on)
+        with pytest.raises(RuntimeError, match="road 'avx2': the compiled kernels are not in use"):
+            int8.block_linear_int8(x, blocks, "q4_1", "avx2", compiled=False)
