@@ -280,6 +280,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = True  # a sequence's bits do not depend on what shares its steps
     kernels: bool | None = None  # the compiled kernels: None where they run, True insists, False never
+    threads: int | str | None = None  # torch threads: a number, "auto" (the cores others leave free), None: as is
     history_kept: int = 4096  # step records kept (a long-running server must not grow without bound)
     finished_kept: int = 1024  # finished requests kept for reading after their last output
 
@@ -287,10 +288,12 @@ class EngineConfig:
     KEYWORDS = {"block_size": "cache", "kv_cache_bytes": "cache", "num_blocks": "cache",
                 "enable_prefix_caching": ("cache", "prefix_caching"), "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
-                "speculative_config": "speculative", "batch_invariant": "", "kernels": ""}
+                "speculative_config": "speculative", "batch_invariant": "", "kernels": "", "threads": ""}
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.of(self.speculative)
+        if self.threads is not None and self.threads != "auto":
+            _positive_int("EngineConfig", "threads", self.threads)
         for name in ("history_kept", "finished_kept"):
             _positive_int("EngineConfig", name, getattr(self, name))
 
@@ -327,4 +330,5 @@ class EngineConfig:
             if getattr(args, "speculative_tokens", 0) else None
         return cls.from_kwargs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
+                               threads=getattr(args, "threads", None))

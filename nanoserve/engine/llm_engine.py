@@ -43,6 +43,7 @@ from .outputs import StepOutput
 from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerOutput
 from .spec import NgramIndex
+from .threads import ThreadPolicy
 
 
 @dataclass
@@ -90,6 +91,11 @@ class LLMEngine:
         self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.dtype),
                                   config.kernels, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.manager, config.scheduler)
+        self.threads: ThreadPolicy | None = None  # "auto": steps run on the cores other programs leave free
+        if config.threads == "auto":
+            self.threads = ThreadPolicy()
+        elif config.threads is not None:
+            torch.set_num_threads(config.threads)
         self.grammars: GrammarCompiler | None = None  # made when a request first asks for structured outputs
         self.requests: dict[str, Request] = {}  # sequence id -> its state: the unfinished, and the last finished
         self.history: deque[StepRecord] = deque(maxlen=config.history_kept)
@@ -207,6 +213,8 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Schedule, run one forward, sample, do the bookkeeping, draft; report what changed, per sequence."""
+        if self.threads is not None:
+            self.threads.adjust()
         t0 = self.clock()
         plan = self.scheduler.schedule(self.steps)
         t1 = self.clock()
