@@ -14,6 +14,7 @@
     bench attention  one decode step's attention: the gather, torch ops, SDPA, the kernel, split-K (Days 23-24)
     bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
     bench spec     prompt-lookup speculative decoding vs plain decoding, copy-heavy and chat (Day 40)
+    bench outputs  what log-probabilities and structured outputs cost a decode step (Day 41)
     serve          an OpenAI-compatible HTTP server (Day 38)
 
 Bad arguments get one line on stderr and exit code 2.
@@ -35,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import arrivals, attention, batch, chunked, decode, engine, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, decode, engine, outputs, paged, single, spec
     from .model import fetch
     from .server import app as server
     from .teach import memory
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_arguments(bsub.add_parser("attention", help="one decode step's attention, every road (Days 23-24)"))
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
     spec.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
+    outputs.add_arguments(bsub.add_parser("outputs", help="what logprobs and structured outputs cost a step (Day 41)"))
     server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap
 
@@ -100,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         from .server import app as server
 
         return server.run(args)
-    from .bench import arrivals, attention, batch, chunked, decode, engine, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, decode, engine, outputs, paged, single, spec
 
     runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
             "chunked": chunked.run, "arrivals": arrivals.run, "attention": attention.run,
-            "spec": spec.run, "decode": decode.run}
+            "spec": spec.run, "decode": decode.run, "outputs": outputs.run}
     return runs[args.what](args, argv)
 
 

@@ -265,18 +265,21 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
 
 def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[dict[int, tuple[float, int]]]:
     """Row i's log-softmax (of the logits as the model produced them) at tokens[i], and at its top[i] likeliest
-    tokens: {token: (logprob, rank)}, rank 1 the likeliest (ties share the better rank), the chosen token first."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (R, V)
-    chosen = torch.tensor(list(tokens), dtype=torch.long)[:, None]
-    mine = lp.gather(1, chosen.clamp(min=0))  # (R, 1)
-    ranks = (lp > mine).sum(-1) + 1
+    tokens: {token: (logprob, rank)}, rank 1 the likeliest (ties share the better rank), the chosen token first.
+    The log-softmax is logit - logsumexp, taken only where it is read."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1)
+    chosen = x.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None].clamp(min=0))  # (R, 1)
+    ranks = (x > chosen).sum(-1) + 1
+    mine = chosen - lse
     k = max(top, default=0)
-    best = lp.topk(k, dim=-1) if k else None
+    best = x.topk(k, dim=-1) if k else None
     out = []
     for i, t in enumerate(tokens):
         entry = {int(t): (float(mine[i, 0]), int(ranks[i]))}
         if best is not None:
-            for r, (v, tok) in enumerate(zip(best.values[i, :top[i]].tolist(), best.indices[i, :top[i]].tolist())):
+            values = (best.values[i, :top[i]] - lse[i]).tolist()
+            for r, (v, tok) in enumerate(zip(values, best.indices[i, :top[i]].tolist())):
                 entry.setdefault(tok, (v, r + 1))
         out.append(entry)
     return out

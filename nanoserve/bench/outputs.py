@@ -1,0 +1,81 @@
+"""`python -m nanoserve bench outputs`: what log-probabilities and structured outputs cost a decode step (Day 41).
+
+The same B requests decode the same prompts through the engine, once plain (greedy), once asking for each
+token's log-probabilities (`logprobs=5`), once constrained to a JSON schema (a grammar's mask filled and
+applied every step), and once half constrained, half free; modes interleaved round by round. Per mode: the
+median decode step and the part of it after the forward (sampling, masks, log-softmax, bookkeeping), and
+their ratio to plain's in the same round, at each batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Sequence
+
+from ..engine import LLMEngine
+from ..model import Llama
+from ..sampling import SamplingParams
+from ..structured import StructuredOutputsParams
+from ..tokenizer import Tokenizer
+from .command import common_arguments, csv_header, report, start
+from .csvio import write_csv
+from .harness import prose
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
+                                           "text": {"type": "string", "minLength": 400, "maxLength": 2000}},
+          "required": ["title", "text"], "additionalProperties": False}
+"""A schema whose output is mostly free text inside a string: a long run of ordinary steps under a mask."""
+
+MODES = ("plain", "logprobs", "json", "half-json")
+
+
+def params_for(mode: str, i: int, steps: int) -> SamplingParams:
+    """Request i's parameters in a mode (greedy, EOS ignored: every request decodes every step)."""
+    base = dict(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    if mode == "logprobs":
+        return SamplingParams(**base, logprobs=5)
+    if mode == "json" or (mode == "half-json" and i % 2 == 0):
+        return SamplingParams(**base, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    return SamplingParams(**base)
+
+
+def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int) -> list:
+    """One engine, every prompt at once; the StepRecords of its decode steps (the prefill's step left out)."""
+    engine = LLMEngine(model, tok, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)) + 64)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params_for(mode, i, steps))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    common_arguments(ap, "data/bench-outputs.csv", steps=24, rounds=3)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    model, tok = start(args)
+    text = [tok.decode(prose(tok, args.prompt_tokens, offset=7 * i)) for i in range(max(args.batch_sizes))]
+    chat = [tok.encode_chat([{"role": "user", "content": f"Give this a title and retell it, as JSON: {t}"}])
+            for t in text]
+    decode_steps(model, tok, chat[:2], "json", 2)  # warm up: the grammar library, the kernels
+    times: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (batch, mode) -> per round (step, after forward)
+    for _ in range(args.rounds):
+        for b in args.batch_sizes:
+            for mode in MODES:
+                recs = decode_steps(model, tok, chat[:b], mode, args.steps)
+                times.setdefault((b, mode), []).append((statistics.median(r.total_s for r in recs),
+                                                        statistics.median(r.sample_s for r in recs)))
+    rows = []
+    for (b, mode), per_round in times.items():
+        plain = times[(b, "plain")]
+        rows.append(dict(batch=b, mode=mode, step_ms=statistics.median(s for s, _ in per_round) * 1e3,
+                         after_forward_ms=statistics.median(a for _, a in per_round) * 1e3,
+                         vs_plain=statistics.median(s / p for (s, _), (p, _) in zip(per_round, plain))))
+    meta = csv_header(argv, steps=args.steps, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
+                      schema="a title and 400-2000 characters of text")
+    write_csv(args.out, rows, meta)
+    return report(args.out, meta, rows)
