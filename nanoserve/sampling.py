@@ -173,8 +173,8 @@ def _shape(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
         rows = probs[top_p]
         sorted_p, order = rows.sort(dim=-1, descending=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
-        limit = torch.tensor([params[i].top_p for i in top_p], dtype=x.dtype)[:, None]
-        probs[top_p] = rows.scatter(1, order, sorted_p.masked_fill(mass_before >= limit, 0.0))
+        limit = torch.tensor([params[i].top_p for i in top_p], dtype=torch.float64)[:, None]  # 5e-324 is no 0
+        probs[top_p] = rows.scatter(1, order, sorted_p.masked_fill(mass_before.double() >= limit, 0.0))
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype)[:, None]
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)

@@ -19,6 +19,7 @@ unsupported keyword, an unsatisfiable schema, a regex with look-around) it repor
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, fields
 
 import torch
@@ -82,6 +83,7 @@ class GrammarCompiler:
         self.vocab_size = tokenizer.vocab_size
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=list(eos_ids))
         self._templates: dict[str, object] = {}
+        self._lock = threading.Lock()  # a server checks requests in one thread while the engine adds in another
 
     def grammar(self, params: StructuredOutputsParams, field: str) -> str:
         """The llguidance grammar text for `params` (GrammarError naming `field` if it is not even well formed)."""
@@ -102,15 +104,17 @@ class GrammarCompiler:
     def matcher(self, params: StructuredOutputsParams, field: str = "structured_outputs") -> Matcher:
         """A fresh matcher at the grammar's start. GrammarError naming `field` if the library rejects it."""
         grammar = self.grammar(params, field)
-        template = self._templates.get(grammar)
-        if template is None:
-            template = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-            if template.is_error():
-                raise GrammarError(field, _first_line(template.get_error()))
-            if len(self._templates) > 256:  # a long-running server sees many schemas: keep the recent ones
-                self._templates.pop(next(iter(self._templates)))
-            self._templates[grammar] = template
-        return Matcher(template.deep_copy(), self.vocab_size, field, params.kind)
+        with self._lock:
+            template = self._templates.get(grammar)
+            if template is None:
+                template = self.llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+                if template.is_error():
+                    raise GrammarError(field, _first_line(template.get_error()))
+                if len(self._templates) > 256:  # a long-running server sees many schemas: keep the recent ones
+                    self._templates.pop(next(iter(self._templates)))
+                self._templates[grammar] = template
+            copy = template.deep_copy()
+        return Matcher(copy, self.vocab_size, field, params.kind)
 
 
 def _first_line(error: str) -> str:

@@ -65,8 +65,9 @@ class Tokenizer:
         return self._tok.id_to_token(i)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Special tokens written in the text (e.g. <|im_start|>) become their single ids."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        """Special tokens written in the text (e.g. <|im_start|>) become their single ids. (encode_batch, because it
+        lets go of the GIL while it works: a server tokenizing a long prompt keeps answering others.)"""
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids

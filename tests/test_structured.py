@@ -88,17 +88,19 @@ def test_what_the_library_refuses_is_an_error_naming_the_field(compiler, kw, mat
     assert e.value.field == "response_format"
 
 
-def test_a_grammar_nothing_can_match_fails_its_request_alone(model, tok):
-    """A regex whose language is empty is found on its first mask: that request ends in error, the one beside
-    it gets its tokens."""
+def test_a_grammar_nothing_can_match_is_refused_up_front(model, tok):
+    """A regex whose language is empty shows at its first mask: the engine takes that step when it checks the
+    request, so it is refused with the field named, and the request beside it gets its tokens."""
     engine = LLMEngine(model, tok, num_blocks=64)
     ids = tok.encode("Hello")
-    bad = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4,
-                                                 structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]")))
     ok = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=4))
+    empty = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex=r"[^\s\S]"))
+    with pytest.raises(GrammarError, match="guided_regex: no output can satisfy this regex"):
+        engine.check_request(ids, empty, "guided_regex")
+    with pytest.raises(GrammarError):
+        engine.add_request(ids, empty)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.requests[bad].finish_reason.value == "error" and "regex" in engine.requests[bad].error
     assert engine.requests[ok].output_token_ids == generate(model, ids, SamplingParams(temperature=0,
                                                                                      max_tokens=4)).token_ids
     engine.check_idle()

@@ -105,9 +105,10 @@ class LLMEngine:
 
     # ---- requests in ---------------------------------------------------------------------------------
 
-    def check_request(self, prompt: Sequence[int], params: SamplingParams) -> int:
+    def check_request(self, prompt: Sequence[int], params: SamplingParams, field: str = "structured_outputs") -> int:
         """Refuse, with the reason, a request no step could ever serve: an empty or too long prompt, one the
-        pool cannot hold even alone, bad parameters. Returns how many tokens it may generate."""
+        pool cannot hold even alone, bad parameters, a grammar no output satisfies (GrammarError naming `field`).
+        Returns how many tokens it may generate."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         cfg, sched = self.model.cfg, self.config.scheduler
@@ -117,8 +118,9 @@ class LLMEngine:
         bad = [i for i in params.stop_token_ids if i >= cfg.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids={bad[:5]}: outside the vocabulary [0, {cfg.vocab_size})")
-        if params.structured_outputs is not None:
-            self._matcher(params)  # compiles (and keeps) the grammar: GrammarError names what is wrong
+        if params.structured_outputs is not None:  # compile (and keep) the grammar, and take its first step: a
+            self._matcher(params, field).fill(torch.empty(words(cfg.vocab_size), dtype=torch.int32))  # language with
+            # no string in it shows only there
         if params.n > sched.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n}: the samples of a request run together, and at most "
                              f"max_num_seqs={sched.max_num_seqs} run at once")

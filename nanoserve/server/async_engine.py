@@ -38,6 +38,10 @@ class EngineDraining(RuntimeError):
     """The server is shutting down: it finishes what it has but takes nothing new."""
 
 
+class EngineStopped(RuntimeError):
+    """The engine stopped (shut down, or its step failed) before this request finished."""
+
+
 class AsyncEngine:
     """An LLMEngine stepped by its own thread; `generate` is the asyncio side of one request."""
 
@@ -86,6 +90,19 @@ class AsyncEngine:
     @property
     def is_running(self) -> bool:
         return self._stepping.is_set() and not self._stop.is_set()
+
+    @property
+    def busy(self) -> bool:
+        """Some request has not yet delivered its last output."""
+        return bool(self._sinks)
+
+    def fail_all(self, message: str) -> None:
+        """End every request in flight now, each with EngineStopped(message) (the engine thread does it, between
+        steps; called from any thread)."""
+        if self._stepping.is_set():
+            self._send(("fail", message))
+        else:
+            self._fail_all(EngineStopped(message))
 
     async def drain(self, timeout: float = 60) -> None:
         """Refuse new requests, then wait (up to `timeout`) for those in flight to finish."""
@@ -141,7 +158,7 @@ class AsyncEngine:
         try:
             self._loop(keep_going)
         finally:
-            self._fail_all(RuntimeError("the server stopped before this request finished"))
+            self._fail_all(EngineStopped("the server stopped before this request finished"))
             self._stepping.clear()
 
     def _loop(self, keep_going: Callable[[], bool]) -> None:
@@ -158,7 +175,7 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as e:  # a bug, not bad input: fail what is in flight, keep serving
                 traceback.print_exc()
-                self._fail_all(RuntimeError(f"the engine failed a step: {type(e).__name__}: {e}"))
+                self._fail_all(EngineStopped(f"the engine failed a step: {type(e).__name__}: {e}"))
                 continue
             now = self.clock()
             for out in outputs:
@@ -174,12 +191,17 @@ class AsyncEngine:
                 return
             if command[0] == "add":
                 _, rid, ids, params = command
+                if rid not in self._sinks:  # failed (`fail_all`) before the engine saw it
+                    continue
                 try:
                     self.engine.add_request(ids, params, rid)
                     self._left[rid] = params.n
                 except Exception as e:  # checked before queueing, so rare: a race with another's id
                     self._emit(rid, e)
-                    continue
+                    self._sinks.pop(rid, None)
+                continue
+            if command[0] == "fail":
+                self._fail_all(EngineStopped(command[1]))
             else:
                 _, rid = command
                 if rid not in self._left:
@@ -210,10 +232,14 @@ class AsyncEngine:
                 self._sinks.pop(rid, None)
 
     def _fail_all(self, error: Exception) -> None:
+        """End every request with `error`: their sequences are aborted (and counted so) and their readers told."""
         for rid in list(self._sinks):
             if rid in self._left:
                 try:
+                    seqs = [r for r in self.engine.sequences(rid) if not r.finished]
                     self.engine.abort(rid)
+                    for seq in seqs:
+                        self.metrics.on_finish(seq, "abort", self.clock())
                 except Exception:
                     pass
                 del self._left[rid]

@@ -1,5 +1,6 @@
 """`python -m nanoserve serve` as a user starts it: a process whose main thread steps the engine while uvicorn
-answers HTTP from another. It serves, and on SIGTERM it finishes the stream in flight, refuses new work and exits 0."""
+answers HTTP from another. It serves; on SIGTERM it answers new requests 503 (not a refused connection), lets the
+streams in flight finish within --shutdown-timeout, ends those that outlive it with an error event, and exits 0."""
 
 import json
 import signal
@@ -10,9 +11,19 @@ import httpx
 from nanoserve.bench.arrivals import free_port, start_server
 
 
+def read_stream(url: str, body: dict, events: list, first: threading.Event) -> None:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+
+
 def test_serve_answers_then_drains_on_sigterm_and_exits_cleanly(model_dir):
     port = free_port()
-    proc = start_server(port, ["--model", str(model_dir), "--kv-cache-gib", "0.1"])
+    # a grace no machine could outrun: the stream in flight must end whole, however loaded the cores are
+    proc = start_server(port, ["--model", str(model_dir), "--kv-cache-gib", "0.1", "--threads", "1",
+                               "--shutdown-timeout", "600"])
     url = f"http://127.0.0.1:{port}"
     try:
         body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -20,8 +31,8 @@ def test_serve_answers_then_drains_on_sigterm_and_exits_cleanly(model_dir):
         assert whole["usage"]["completion_tokens"] == 8
 
         events, first = [], threading.Event()
-        body = {"prompt": [1, 2, 3, 4], "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as resp:
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
             for line in resp.iter_lines():
                 if line.startswith("data: "):
                     events.append(line[6:])
@@ -31,6 +42,39 @@ def test_serve_answers_then_drains_on_sigterm_and_exits_cleanly(model_dir):
         assert events[-1] == "[DONE]"
         texts = [json.loads(e) for e in events[:-1]]
         assert [c["choices"][0]["finish_reason"] for c in texts][-1] == "length"
+        assert len(texts) == 24 and proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_sigterm_answers_503_and_ends_a_stream_that_outlives_the_grace_on_the_gguf_weights(model_dir):
+    """`--weights gguf` serves the GGUF's blocks; a 2000-token stream cannot finish in a 3 s grace."""
+    port = free_port()
+    proc = start_server(port, ["--model", str(model_dir), "--weights", "gguf", "--kv-cache-gib", "0.1",
+                               "--threads", "1", "--shutdown-timeout", "3"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        events, first = [], threading.Event()
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        reader = threading.Thread(target=read_stream, args=(url, body, events, first))
+        reader.start()
+        assert first.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        refused = None
+        while refused is None and reader.is_alive():  # a new request while draining: 503, not a refused connection
+            r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+            if r.status_code == 503:
+                refused = r
+        assert refused is not None and refused.headers["retry-after"].isdigit()
+        assert refused.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(url + "/health", timeout=60).status_code == 503
+        reader.join(120)
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert "shut down" in err["message"] and set(err) == {"message", "type", "param", "code"}
+        assert all("error" not in json.loads(e) for e in events[:-2])
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

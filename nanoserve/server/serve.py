@@ -1,0 +1,139 @@
+"""`python -m nanoserve serve`: the command, and the server thread it (and the notebooks and tests) run.
+
+The process's main thread steps the engine (`AsyncEngine` says why) while uvicorn answers HTTP from a thread of
+its own. SIGTERM or SIGINT drains: new requests are answered 503 while those in flight get --shutdown-timeout
+to finish (then end with an error event), and the process exits 0; a second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import EngineConfig, generation_defaults
+from ..engine import LLMEngine
+from ..tokenizer import Tokenizer
+from .async_engine import AsyncEngine
+from .limits import ServerConfig, TimedH11Protocol
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
+    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
+                    help="fp32: the folder's safetensors; gguf: the GGUF's own blocks (as LLM(weights=...))")
+    ap.add_argument("--gguf", help="with --weights gguf: the GGUF file (default: the fetched one)")
+    ap.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    ap.add_argument("--port", type=int, default=8000)
+    EngineConfig.add_cli_arguments(ap)
+    ServerConfig.add_cli_arguments(ap)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--log-level", default="warning")
+
+
+def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
+    """The engine `serve` steps, configured from its command line (`EngineConfig.from_cli`)."""
+    return LLMEngine(model, tok, EngineConfig.from_cli(args))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, build the app, serve until a signal: uvicorn answers HTTP in a thread while this (the
+    main) thread steps the engine (`AsyncEngine` says why). SIGTERM or SIGINT drains (new requests 503, those
+    in flight get --shutdown-timeout to finish), then exits 0; a second signal stops at once."""
+    import signal
+
+    from ..loader import load
+    from ..model.fetch import ensure_model
+    from .app import build_app
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = Path(args.model) if args.model else ensure_model()
+    model, tok = load(folder, weights=args.weights, gguf=args.gguf)
+    name = args.served_model_name or folder.name
+    engine = make_engine(model, tok, args)
+    async_engine = AsyncEngine(engine, own_thread=False)
+    app = build_app(async_engine, tok, name, ServerConfig.from_cli(args), generation_defaults(folder))
+    server = ServerThread(app, args.host, args.port, args.log_level)
+
+    def on_signal(signum, frame) -> None:
+        if server.stopping:  # as uvicorn's own handler: a second signal stops without waiting
+            async_engine.fail_all("the server was stopped")
+            server.server.should_exit = server.server.force_exit = True
+        else:
+            server.begin_shutdown()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    server.thread.start()
+    print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 ({args.weights} weights, "
+          f"{engine.manager.num_blocks} KV blocks)", flush=True)
+    async_engine.run(keep_going=server.thread.is_alive)  # until the app's shutdown stops it, or uvicorn exits
+    server.thread.join()
+    return 0 if server.server.started else 1
+
+
+class ServerThread:
+    """A server in a background thread of this process (notebooks, tests, and `serve` itself):
+
+        with ServerThread(build_app(...)) as srv:
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        import socket
+        import threading
+
+        import uvicorn
+
+        if port is None:
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+        self.app, self.url, self.stopping = app, f"http://{host}:{port}", False
+        config: ServerConfig = getattr(app.state, "server_config", None) or ServerConfig()
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, host=host, port=port, log_level=log_level, http=TimedH11Protocol.with_timeout(config.header_timeout_s),
+            timeout_keep_alive=config.keep_alive_timeout_s, timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="nanoserve-http", daemon=True)
+
+    def start(self, timeout: float = 60) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def begin_shutdown(self, grace: float | None = None) -> None:
+        """Drain (`app.state.drain`: new requests 503, those in flight finish within `grace`), then stop
+        uvicorn. Returns at once (a signal handler calls it)."""
+        self.stopping = True
+        loop = getattr(self.app.state, "loop", None)
+        if loop is None or loop.is_closed() or not self.thread.is_alive():  # not started, or already stopped
+            self.server.should_exit = True
+            return
+        drain = self.app.state.drain(grace)
+        try:
+            future = asyncio.run_coroutine_threadsafe(drain, loop)
+        except RuntimeError:  # the loop closed just now
+            drain.close()
+            self.server.should_exit = True
+            return
+        future.add_done_callback(lambda _: setattr(self.server, "should_exit", True))
+
+    def stop(self, timeout: float = 60) -> None:
+        """Shut down as `serve` does on SIGTERM: drain, stop accepting, stop the engine thread."""
+        self.begin_shutdown()
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
