@@ -2,8 +2,9 @@
 
 `bench engine`'s ragged workload on a gamma/Poisson trace at each of `--rates`, replayed on the wall clock by each
 of SYSTEMS: the engine, `serve` in a subprocess (this command's engine options), transformers' continuous batching
-manager, and that behind its HTTP server. A request's clock starts at its scheduled arrival, so a system late to
-admit it pays in TTFT. Two CSVs: a row per (system, rate) (`--out`), a row per request beside it.
+manager, that behind its HTTP server, and llama.cpp's llama-server on the GGUF (where `python -m
+nanoserve.bench.clients build-llama-server` has built it). A request's clock starts at its scheduled arrival, so a
+system late to admit it pays in TTFT. Two CSVs: a row per (system, rate) (`--out`), a row per request beside it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import copy
 import importlib.metadata
 import json
 import math
-import socket
-import subprocess
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -23,18 +23,20 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import EngineConfig
+from ..config import EngineConfig, nanoserve_home
 from ..engine import LLMEngine
+from ..loader import load
 from ..model import Llama
-from ..model.fetch import ensure_model
+from ..model.fetch import download_gguf, ensure_model
 from . import csvio
+from .clients import free_port, llama_server_argv, llama_server_path, llama_server_version, start_server
 from .command import common_arguments, csv_header, engine_argv, engine_config, report, start
 from .harness import Workload, greedy, load_hf_model, ragged_workload, run_requests
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import RequestTiming
 
 CSV_PATH = "data/bench-arrivals.csv"
-SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transformers-serve")
+SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transformers-serve", "llama-server")
 
 
 @dataclass
@@ -95,44 +97,21 @@ def replay_hf_continuous(manager, w: Workload, arrivals: Sequence[float], rate: 
     return Replay("transformers-cb", rate, timings, [list(done[i].generated_tokens) for i in ids])
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 180,
-                 command: Sequence[str] | None = None) -> subprocess.Popen:
-    """A server in a subprocess (`python -m nanoserve serve` unless `command` says), once its /health answers."""
-    import httpx
-
-    command = list(command or [sys.executable, "-m", "nanoserve", "serve", "--port", str(port)]) + list(extra)
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
-
-
 def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
                   system: str = "nanoserve-server", tok=None) -> Replay:
     """Every request a streaming completion sent at its arrival, its tokens stamped where the client sees them.
-    transformers serve gets the prompt as text, EOS off through its generation_config field, and sends no ids: a
-    chunk with text is a token, the usage count the rest."""
+    llama-server takes the same ids and ignore_eos but sends no ids back; transformers serve gets the prompt as
+    text, EOS off through its generation_config field, and sends no ids. Where no ids come back, a chunk with text
+    is a token and the usage count the rest."""
     import httpx
 
     def body(i: int, model: str) -> dict:
         if system == "nanoserve-server":
             return dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0,
                         ignore_eos=True, stream=True, return_token_ids=True)
+        if system == "llama-server":
+            return dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0,
+                        ignore_eos=True, stream=True)
         config = json.dumps(dict(do_sample=False, eos_token_id=-1, max_new_tokens=w.max_tokens[i]))
         return dict(model=model, prompt=tok.decode(w.prompts[i]), max_tokens=w.max_tokens[i], temperature=0,
                     stream=True, generation_config=config)
@@ -166,9 +145,18 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
     return Replay(system, rate, [t for t, _ in results], [ids for _, ids in results])
 
 
+def llama_server_command(port: int, config: EngineConfig, w: Workload, threads: int | None) -> list[str]:
+    """llama-server on the fetched GGUF: a slot per sequence the engine runs at once (`max_num_seqs`), each slot
+    holding the workload's longest request, the threads `serve` gets (default: the cores)."""
+    slot_tokens = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
+    gguf = download_gguf(nanoserve_home() / "downloads")
+    return llama_server_argv(llama_server_path(), gguf, port, config.scheduler.max_num_seqs, slot_tokens,
+                             threads or os.cpu_count() or 1)
+
+
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
-            server_options: Sequence[str] = ()) -> Iterator[Callable[..., Replay]]:
+            server_options: Sequence[str] = (), threads: int | None = None) -> Iterator[Callable[..., Replay]]:
     """One system stood up and warm, as `replay(workload, arrivals, rate)`; torn down on leaving."""
     warm = Workload("warm", w.prompts[:2], [2, 2])
     if system == "nanoserve-engine":
@@ -187,8 +175,12 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         port = free_port()
         hf_serve = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching", "--host",
                     "127.0.0.1", "--port", str(port), str(ensure_model())]  # its continuous batching, preloaded
-        nanoserve = system == "nanoserve-server"
-        proc = start_server(port, server_options) if nanoserve else start_server(port, command=hf_serve)
+        if system == "nanoserve-server":
+            proc = start_server(port, server_options)
+        elif system == "llama-server":
+            proc = start_server(port, command=llama_server_command(port, config, w, threads))
+        else:
+            proc = start_server(port, command=hf_serve)
         try:
             replay_server(port, warm, [0.0, 0.0], system=system, tok=tok)
             yield lambda w, arrivals, rate: replay_server(port, w, arrivals, rate, system=system, tok=tok)
@@ -242,28 +234,42 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
+    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
+                    help="what nanoserve's systems load: the folder's fp32, or the GGUF's blocks llama-server runs")
     common_arguments(ap, CSV_PATH, engine=True, requests=40, seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     """Each system over every rate, one after another in this process; two CSVs and a table."""
-    model, tok = start(args)
+    systems = list(args.systems)
+    if "llama-server" in systems and llama_server_path() is None:
+        print(f"llama-server: skipped, not built (`python -m nanoserve.bench.clients build-llama-server` builds it "
+              f"into {nanoserve_home() / 'llama.cpp'} from the llama-cpp-python sdist)", file=sys.stderr)
+        systems.remove("llama-server")
+    if not systems:
+        return 0
+    start(args, model=False)
+    model, tok = load(weights=args.weights)
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
     w = ragged_workload(tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
     extra = dict(slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), requests=args.requests, burstiness=args.burstiness,
                  scheduler=dict(max_num_seqs=config.scheduler.max_num_seqs,
-                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens))
-    if any(s.startswith("transformers") for s in args.systems):  # the peer's speed is its release's
+                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens),
+                 weights=args.weights)
+    if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
         extra["transformers"] = importlib.metadata.version("transformers")
+    if "llama-server" in systems:
+        extra["llama_server"] = llama_server_version(llama_server_path())
     meta = csv_header(argv, **extra)  # the machine line: its load when the run started
-    server_options = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
+    server_options = engine_argv(args) + ["--weights", args.weights] + (["--threads", str(args.threads)]
+                                                                        if args.threads else [])
     replays: list[Replay] = []
-    for system in args.systems:
+    for system in systems:
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
         print(f"{system} ...", flush=True)
-        with serving(system, model, tok, config, w, server_options) as replay:
+        with serving(system, model, tok, config, w, server_options, args.threads) as replay:
             for rate, trace in traces.items():
                 replays.append(replay(w, trace, rate))
                 m = serving_metrics(replays[-1].timings, slo)

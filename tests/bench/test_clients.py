@@ -1,0 +1,109 @@
+"""The field's programs beside `serve`: llama-server's command line and its absence, and GuideLLM and lm-eval
+run unchanged against a real `serve` (where they are installed; the test extra installs both)."""
+
+import json
+
+import pytest
+import torch
+
+from nanoserve.bench import arrivals
+from nanoserve.bench.clients import (
+    LM_EVAL_TASKS,
+    free_port,
+    guidellm_summary,
+    llama_server_argv,
+    llama_server_path,
+    run_guidellm,
+    run_lm_eval,
+    start_server,
+    write_lm_eval_tasks,
+)
+from nanoserve.cli import build_parser
+
+
+def test_llama_server_gets_a_slot_per_sequence_and_the_context_they_need(tmp_path):
+    argv = llama_server_argv(tmp_path / "llama-server", tmp_path / "m.gguf", 8123, parallel=4, slot_tokens=300,
+                             threads=2)
+    flags = dict(zip(argv, argv[1:]))  # each option and the word after it
+    assert "--cont-batching" in argv and flags["--parallel"] == "4" and flags["--ctx-size"] == "1200"
+    assert flags["--threads"] == flags["--threads-batch"] == "2" and flags["--host"] == "127.0.0.1"
+    assert flags["--port"] == "8123" and flags["-m"] == str(tmp_path / "m.gguf")
+
+
+def test_bench_arrivals_skips_llama_server_where_it_is_not_built(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
+    assert llama_server_path() is None
+    argv = ["bench", "arrivals", "--systems", "llama-server", "--out", str(tmp_path / "a.csv")]
+    assert arrivals.run(build_parser().parse_args(argv), argv) == 0
+    assert "llama-server: skipped, not built" in capsys.readouterr().err and not (tmp_path / "a.csv").exists()
+
+
+def test_lm_eval_tasks_are_local_files(tmp_path):
+    names = write_lm_eval_tasks(tmp_path)
+    assert names == list(LM_EVAL_TASKS)
+    for name in names:
+        task = json.loads((tmp_path / f"{name}.yaml").read_text())
+        assert task["task"] == name and task["dataset_path"] == "json"
+        data = task["dataset_kwargs"]["data_files"]["test"]
+        assert [json.loads(line) for line in open(data)] == LM_EVAL_TASKS[name][1]
+
+
+def test_guidellm_summary_reads_counts_medians_and_cached_tokens():
+    stat = lambda v: {"successful": {"median": v, "count": 2}}
+    report = {"benchmarks": [{"metrics": {"request_totals": {"successful": 2, "errored": 0, "incomplete": 0},
+                                          "time_to_first_token_ms": stat(120.0), "inter_token_latency_ms": stat(30.0),
+                                          "time_per_output_token_ms": stat(36.0), "prompt_token_count": stat(64.0),
+                                          "output_token_count": stat(16.0)},
+                              "requests": {"successful": [{"input_metrics": {"cached_tokens": 0}},
+                                                          {"input_metrics": {"cached_tokens": 32}}]}}]}
+    s = guidellm_summary(report)
+    assert (s["successful"], s["errored"], s["ttft_ms"], s["itl_ms"], s["cached_tokens"]) == (2, 0, 120.0, 30.0,
+                                                                                              [0, 32])
+
+
+@pytest.fixture(scope="module")
+def served(model_dir):
+    """`serve` on the folder's fp32 weights, so its log-probabilities can be held to transformers'."""
+    port = free_port()
+    proc = start_server(port, ["--model", str(model_dir), "--kv-cache-gib", "0.1", "--threads", "1"], timeout_s=300)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_guidellm_benchmarks_serve(served, model_dir, tmp_path):
+    pytest.importorskip("guidellm")
+    s = guidellm_summary(run_guidellm(served, model_dir, tmp_path, requests=3, prompt_tokens=32, output_tokens=8))
+    assert (s["successful"], s["errored"], s["incomplete"]) == (3, 0, 0)
+    assert s["prompt_tokens"] == 32 and s["output_tokens"] == 8  # usage's counts, ignore_eos honoured
+    assert s["ttft_ms"] > 0 and s["itl_ms"] > 0 and s["tpot_ms"] > 0
+    assert all(isinstance(c, int) for c in s["cached_tokens"])  # usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.slow
+def test_lm_eval_local_completions_scores_through_serve_as_transformers_does(served, model_dir, hf_model, hf_tok,
+                                                                             tmp_path):
+    """Loglikelihoods come from echo=True with logprobs (lm-eval sums the continuation's); generate_until from a
+    greedy completion cut at its stop strings. Both are held to transformers on the same weights."""
+    pytest.importorskip("lm_eval")
+    out = run_lm_eval(served, model_dir.name, model_dir, tmp_path)
+    assert set(out["results"]) == set(LM_EVAL_TASKS)
+    for s in out["samples"]["nanoserve_tiny_choice"]:
+        context = hf_tok(s["doc"]["question"]).input_ids
+        for choice, resp in zip(s["doc"]["choices"], s["resps"]):
+            whole = hf_tok(s["doc"]["question"] + " " + choice).input_ids
+            with torch.no_grad():
+                logp = hf_model(torch.tensor([whole])).logits[0].log_softmax(-1)
+            want = sum(logp[i - 1, whole[i]].item() for i in range(len(context), len(whole)))
+            assert float(resp[0][0]) == pytest.approx(want, abs=1e-3)
+    (s,) = out["samples"]["nanoserve_tiny_generate"]
+    ids = hf_tok(s["doc"]["question"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        greedy = hf_model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    text = hf_tok.decode(greedy)
+    for stop in LM_EVAL_TASKS["nanoserve_tiny_generate"][0]["generation_kwargs"]["until"]:
+        text = text.split(stop)[0]
+    assert s["resps"][0][0] == text
