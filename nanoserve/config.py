@@ -330,5 +330,4 @@ class EngineConfig:
             if getattr(args, "speculative_tokens", 0) else None
         return cls.from_kwargs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
-                               threads=getattr(args, "threads", None))
+                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)

@@ -12,8 +12,6 @@ import asyncio
 import time
 from pathlib import Path
 
-import torch
-
 from ..config import EngineConfig, generation_defaults
 from ..engine import LLMEngine
 from ..tokenizer import Tokenizer
@@ -31,13 +29,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--port", type=int, default=8000)
     EngineConfig.add_cli_arguments(ap)
     ServerConfig.add_cli_arguments(ap)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    ap.add_argument("--threads", type=threads_arg, default="auto",
+                    help="torch threads: a number, or auto (default): the cores other programs leave free")
     ap.add_argument("--log-level", default="warning")
 
 
+def threads_arg(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of threads >= 1, or auto")
+    return n
+
+
 def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
-    """The engine `serve` steps, configured from its command line (`EngineConfig.from_cli`)."""
-    return LLMEngine(model, tok, EngineConfig.from_cli(args))
+    """The engine `serve` steps, configured from its command line (`EngineConfig.from_cli`, and --threads)."""
+    config = EngineConfig.from_cli(args)
+    config.threads = args.threads
+    return LLMEngine(model, tok, config)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +63,6 @@ def run(args: argparse.Namespace) -> int:
     from ..model.fetch import ensure_model
     from .app import build_app
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     folder = Path(args.model) if args.model else ensure_model()
     model, tok = load(folder, weights=args.weights, gguf=args.gguf)
     name = args.served_model_name or folder.name
