@@ -36,7 +36,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import arrivals, attention, batch, chunked, decode, engine, outputs, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec
     from .model import fetch
     from .server import app as server
     from .teach import memory
@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
                    help="the folder's fp32 safetensors, or the GGUF's own blocks (Day 25)")
+    g.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
+                   help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="prompt-lookup speculative decoding with this many draft tokens (greedy only; 0: off)")
     fetch.add_arguments(sub.add_parser("fetch", help="fetch + convert the model (idempotent)"))
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
     spec.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
     outputs.add_arguments(bsub.add_parser("outputs", help="what logprobs and structured outputs cost a step (Day 41)"))
+    clients.add_arguments(bsub.add_parser("clients", help="llama-server's build, GuideLLM and lm-eval against serve"))
     server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap
 
@@ -102,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         from .server import app as server
 
         return server.run(args)
-    from .bench import arrivals, attention, batch, chunked, decode, engine, outputs, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec
 
     runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
             "chunked": chunked.run, "arrivals": arrivals.run, "attention": attention.run,
-            "spec": spec.run, "decode": decode.run, "outputs": outputs.run}
+            "spec": spec.run, "decode": decode.run, "outputs": outputs.run, "clients": clients.run}
     return runs[args.what](args, argv)
 
 
@@ -130,7 +133,7 @@ def generate(args: argparse.Namespace) -> int:
             chosen["temperature"] = 0.0
         params = SamplingParams(**{**generation_defaults(folder), **chosen}, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop)
-        model, tok = load(folder, weights=args.weights)
+        model, tok = load(folder, weights=args.weights, activations=args.activations)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 
 Batch 1 at each of `--contexts`: nanoserve on fp32, on the GGUF's blocks (one compiled call a step), the same on
 the Python forward (`nanoserve-py`), transformers, and llama.cpp on the same GGUF (llama-cpp-python, optional);
-and each of `--batch-sizes` at the first context, fp32 beside the blocks. A row's step is the median decode step
+and each of `--batch-sizes` at the first context, fp32 beside the blocks. `--activations fp32 int8` adds the blocks
+on int8 activations (llama.cpp's product) beside them. A row's step is the median decode step
 after a prompt of prose, median over rounds; beside it tok/s, weight GB/s, and same-run ratios.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import nanoserve_home
-from ..kernels import quant
+from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
 from ..model.fetch import default_model_dir, download_gguf
@@ -50,30 +51,34 @@ class DecodeRow:
     bandwidth_frac: float  # weight_gb_s over the measured read bandwidth
     vs_nanoserve_fp32: float
     vs_llama_cpp: float  # nan where there is no llama.cpp row to divide by
+    activations: str = "fp32"  # what the blocks multiply: fp32, or int8 (x rounded to int8 blocks)
 
 
 def make_rows(steps: dict[tuple[str, str, int, int], float], weight_bytes: dict[tuple[str, str], float],
               bandwidth: float) -> list[DecodeRow]:
-    """Rows from median step seconds keyed (engine, weights, batch, context), and each engine's weight bytes."""
+    """Rows from median step seconds keyed (engine, weights, batch, context), and each engine's weight bytes; weights
+    "gguf+int8" are the blocks on int8 activations."""
     tok_s = lambda key: key[2] / steps[key] if key in steps else float("nan")
     rows = []
     for (engine, weights, batch, context), s in steps.items():
         wb, t = weight_bytes[(engine, weights)], batch / s
-        rows.append(DecodeRow(engine, weights, batch, context, s * 1e3, t, wb / 1e6, wb / s / 1e9, wb / s / bandwidth,
+        fmt, _, acts = weights.partition("+")
+        rows.append(DecodeRow(engine, fmt, batch, context, s * 1e3, t, wb / 1e6, wb / s / 1e9, wb / s / bandwidth,
                               t / tok_s(("nanoserve", "fp32", batch, context)),
-                              t / tok_s(("llama.cpp", "gguf", batch, context))))
+                              t / tok_s(("llama.cpp", "gguf", batch, context)), acts or "fp32"))
     return rows
 
 
 def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
-    """nanoserve's tok/s per weights ("fp32", "gguf") per batch size at the smallest context measured: where the two
-    curves cross says which weights to serve at which batch size."""
+    """nanoserve's tok/s per weights ("fp32", "gguf", and "gguf+int8" where measured) per batch size at the smallest
+    context measured: where the curves cross says which weights to serve at which batch size."""
     mine = [r for r in rows if r.engine == "nanoserve"]
     ctx = min(r.context for r in mine)
     out: dict[str, dict[int, float]] = {}
     for r in sorted(mine, key=lambda r: r.batch):
         if r.context == ctx:
-            out.setdefault(r.weights, {})[r.batch] = r.tok_s
+            key = r.weights if r.activations == "fp32" else f"{r.weights}+{r.activations}"
+            out.setdefault(key, {})[r.batch] = r.tok_s
     return out
 
 
@@ -148,22 +153,29 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched rows at the first context")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
+    ap.add_argument("--activations", nargs="+", choices=["fp32", "int8"], default=["fp32"],
+                    help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
     common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    (fp32, tok), (blocks, _) = start(args), load(weights="gguf")
+    fp32, tok = start(args)
+    on_blocks = {("gguf" if a == "fp32" else f"gguf+{a}"): load(weights="gguf", activations=a)[0]
+                 for a in args.activations}  # weights key -> the model on blocks
     threads, n = torch.get_num_threads(), args.steps
-    weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes()} | dict.fromkeys(  # llama.cpp streams the same blocks
-        [("nanoserve", "gguf"), ("nanoserve-py", "gguf"), ("llama.cpp", "gguf")], blocks.weight_bytes())
+    block_bytes = next(iter(on_blocks.values())).weight_bytes()  # the same blocks whatever they multiply
+    weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes(), ("llama.cpp", "gguf"): block_bytes}  # llama.cpp too
+    for key, m in on_blocks.items():
+        weight_bytes |= {("nanoserve", key): m.weight_bytes(), ("nanoserve-py", key): m.weight_bytes()}
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[tuple[str, str, int, int], Callable[[], float]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
         p = prompts[ctx]
         jobs[("nanoserve", "fp32", b, ctx)] = lambda p=p, b=b: time_nanoserve(fp32, p, b, n)
-        jobs[("nanoserve", "gguf", b, ctx)] = lambda p=p, b=b: time_nanoserve(blocks, p, b, n)
-        if b == 1:
-            jobs[("nanoserve-py", "gguf", 1, ctx)] = lambda p=p: time_nanoserve(blocks, p, 1, n, False)
+        for key, m in on_blocks.items():
+            jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
+            if b == 1:
+                jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, False)
     if not args.no_transformers:
         hf = load_hf_model(default_model_dir())
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
@@ -177,10 +189,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     print(f"llama.cpp: {llama_note}", flush=True)
     with torch.inference_mode():
         bandwidth, _ = measure_bandwidth(2**28)
-        time_nanoserve(blocks, prompt_of(tok, 16), 2, 2)  # warm up: builds, first allocations
-        time_nanoserve(fp32, prompt_of(tok, 16), 2, 2)
+        for m in [*on_blocks.values(), fp32]:  # warm up: builds, first allocations
+            time_nanoserve(m, prompt_of(tok, 16), 2, 2)
     steps = {k: statistics.median(v) for k, v in rounds(jobs, args.rounds, log=print).items()}
     meta = csv_header(argv, steps=n, rounds=args.rounds, read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}",
-                      block_product=quant.describe(), llama_cpp=llama_note)
+                      block_product=quant.describe(), int8_road=int8.int8_road(), llama_cpp=llama_note)
     write_csv(args.out, make_rows(steps, weight_bytes, bandwidth), meta)
     return report(args.out, meta, [asdict(r) for r in read_csv(args.out)[1]])

@@ -7,10 +7,11 @@ the products. `BlockStep` runs the same loops in the same order from C++: the em
 then the LM head at each request's last token. Its logits are the Python forward's bit for bit
 (tests/model/test_compiled.py); the Python forward stays the definition, and runs wherever this does not apply.
 
-It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`),
-with the compiled kernels on, and to a step whose requests all have keys cached before their new tokens
-(decode tokens, and chunks after a cached context): a whole prompt takes torch's fused causal attention in
-the Python forward, which this call does not have.
+It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`; each
+matrix takes the product `linear` gives it, on fp32 or int8 activations), with the compiled kernels on, and to
+a step whose requests all have keys cached before their new tokens (decode tokens, and chunks after a cached
+context): a whole prompt takes torch's fused causal attention in the Python forward, which this call does not
+have.
 
     >>> step = BlockStep.of(model)                       # None unless the model is on blocks  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
@@ -51,7 +52,8 @@ class BlockStep:
         cfg = model.cfg
         compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
             model.embed.blocks, model.embed.fmt, [n.detach().contiguous() for n in norms], [m.blocks for m in mats],
-            [m.fmt for m in mats], cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps)
+            [m.fmt for m in mats], [m.activations == "int8" for m in mats], cfg.n_heads, cfg.n_kv_heads,
+            cfg.rms_norm_eps)
         return cls(model, compiled)
 
     @torch.inference_mode()

@@ -3,6 +3,8 @@
 `fetch` turns the GGUF into an fp32 folder (538 MB of weights); this module keeps the file's
 Q4_1 and Q8_0 blocks instead (a fifth of the bytes) as `BlockWeight`s, which `linear` multiplies
 where they lie. The numbers are the same: a block expands to exactly what the conversion wrote.
+With `activations="int8"` (opt-in, `set_activations`) the products take x quantized to int8 blocks
+instead, as llama.cpp computes them: faster at batch 1, and no longer the fp32 conversion's numbers.
 Like the conversion, it undoes llama.cpp's q/k row permutation, here on whole rows of blocks
 (a block lies within a row), and fuses q/k/v and gate/up by stacking their rows.
 
@@ -21,7 +23,7 @@ from ..config import CheckpointError, ModelConfig
 from ..kernels.quant import dequantize
 from .fetch import gguf_config, unpermute_rope_rows
 from .llama import Llama
-from .matmul import BlockWeight
+from .matmul import ACTIVATIONS, BlockWeight
 
 BLOCK_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # GGUF tensor types `BlockWeight` multiplies as they are
 
@@ -61,7 +63,20 @@ def _matrix(parts: list[tuple[np.ndarray, str | None]], shape: tuple[int, int], 
     return w
 
 
-def to_blocks(model: Llama, fmt: str = "q4_1", head_fmt: str = "q8_0") -> Llama:
+def set_activations(model: Llama, activations: str) -> Llama:
+    """What every block matrix of `model` multiplies, in place: "fp32" (x as it is) or "int8" (x rounded to
+    int8 blocks first, `kernels.int8`). The token table's lookup is the same either way."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
+    blocks = model.block_weights()
+    if activations != "fp32" and not blocks:
+        raise ValueError(f"activations={activations!r} needs a model on GGUF blocks (weights='gguf')")
+    for w in blocks:
+        w.activations = activations
+    return model
+
+
+def to_blocks(model: Llama, fmt: str = "q4_1", head_fmt: str = "q8_0", activations: str = "fp32") -> Llama:
     """Quantize a model's matrices into blocks in place (`BlockWeight.quantize`), the head (and tied table)
     to `head_fmt`, as the shipped file has them: for models that did not come as GGUF, and for tests."""
     with torch.no_grad():
@@ -72,7 +87,7 @@ def to_blocks(model: Llama, fmt: str = "q4_1", head_fmt: str = "q8_0") -> Llama:
         for blk in model.layers:
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 _set(blk, name, BlockWeight.quantize(getattr(blk, name).detach(), fmt))
-    return model
+    return set_activations(model, activations)
 
 
 def _set(module: nn.Module, name: str, w: BlockWeight | nn.Parameter) -> None:
@@ -81,9 +96,10 @@ def _set(module: nn.Module, name: str, w: BlockWeight | nn.Parameter) -> None:
     setattr(module, name, w)
 
 
-def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> Llama:
+def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str = "fp32") -> Llama:
     """A `Llama` on the GGUF file's blocks, in eval mode: its matrices are `BlockWeight`s where the file
-    holds Q4_1/Q8_0 blocks (other types are expanded to fp32), its norms fp32."""
+    holds Q4_1/Q8_0 blocks (other types are expanded to fp32), its norms fp32; `activations`: what the
+    blocks multiply (`set_activations`)."""
     from gguf import GGUFReader
 
     path = Path(path)
@@ -122,4 +138,4 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None) -> Llama:
             _set(blk, "w_gate_up", _matrix([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], (2 * F_, C),
                                            p + "ffn_gate_up"))
             _set(blk, "w_down", _matrix([get(p + "ffn_down.weight")], (C, F_), p + "ffn_down"))
-    return model.eval()
+    return set_activations(model, activations).eval()

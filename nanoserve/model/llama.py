@@ -185,6 +185,13 @@ class Llama(nn.Module):
         """The matrices held as GGUF blocks (none for a model loaded from safetensors)."""
         return [m for m in self.modules() if isinstance(m, BlockWeight)]
 
+    @property
+    def activations(self) -> str:
+        """What the block matrices multiply: "int8" where they take int8-quantized activations, "fp32" where
+        they take x as it is (and for a model off blocks); "mixed" if they differ."""
+        kinds = {w.activations for w in self.block_weights()} or {"fp32"}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
     def num_parameters(self) -> int:
         """Weights, whatever holds them (tied weights are counted once)."""
         return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self.block_weights())

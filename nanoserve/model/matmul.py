@@ -15,7 +15,9 @@ expects, transposed in memory. `linear(x, w)` then takes one of three roads:
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
-(Day 25), multiplied where they lie by `kernels.quant.block_linear` for any number of rows.
+(Day 25), multiplied where they lie by `kernels.quant.block_linear` for any number of rows, or, opted
+into (`activations="int8"`), by `kernels.int8.block_linear_int8` on x quantized to int8 blocks, as
+llama.cpp multiplies them.
 
 `python -m nanoserve bench layout` times the candidates on the machine at hand.
 """
@@ -30,7 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
 
-from ..kernels import quant
+from ..kernels import int8, quant
+
+ACTIVATIONS = ("fp32", "int8")  # what a BlockWeight multiplies: x as it is, or x quantized to int8 blocks
 
 
 def linear_weight(out_features: int, in_features: int) -> nn.Parameter:
@@ -136,15 +140,18 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
 class BlockWeight(nn.Module):
     """A weight (out, in) held as GGUF blocks, 32 weights of a row to a block (`kernels.quant`): what
     `linear` multiplies where it lies and `embedding` expands row by row. Its numbers are the fp32
-    conversion's; its bytes a fraction of them."""
+    conversion's; its bytes a fraction of them. `activations`: what it multiplies, "fp32" (x as it is: the
+    fp32 conversion's products) or "int8" (x rounded to int8 blocks first, `kernels.int8`: faster, not exact)."""
 
-    def __init__(self, blocks: Tensor, fmt: str, in_features: int):
+    def __init__(self, blocks: Tensor, fmt: str, in_features: int, activations: str = "fp32"):
         super().__init__()
         nbytes = quant.block_bytes(fmt)
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % quant.BLOCK \
                 or blocks.shape[1] != in_features // quant.BLOCK * nbytes:
             raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} do not hold {fmt} rows of {in_features}")
-        self.fmt = fmt
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
+        self.fmt, self.activations = fmt, activations
         self.register_buffer("blocks", blocks.contiguous())  # (out, in / 32 * bytes) uint8
         self.shape = torch.Size((blocks.shape[0], in_features))
 
@@ -172,7 +179,7 @@ class BlockWeight(nn.Module):
         return quant.dequantize(self.blocks, self.fmt)
 
     def extra_repr(self) -> str:
-        return f"{self.fmt}, out={self.shape[0]}, in={self.shape[1]}"
+        return f"{self.fmt}, out={self.shape[0]}, in={self.shape[1]}, activations={self.activations}"
 
 
 def embedding(ids: Tensor, w: Tensor | BlockWeight) -> Tensor:
@@ -184,8 +191,11 @@ def embedding(ids: Tensor, w: Tensor | BlockWeight) -> Tensor:
 
 def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc).
-    `compiled` matters to a BlockWeight only: the block kernel (None: where built), or a dequantized copy."""
+    `compiled` matters to a BlockWeight only: the block kernel (None: where built), or else a dequantized copy
+    (fp32 activations) or the int8 product's torch reference (int8 activations: the same bits)."""
     if isinstance(w, BlockWeight):
+        if w.activations == "int8":
+            return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled)
         return quant.block_linear(x, w.blocks, w.fmt, compiled)
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):

@@ -40,3 +40,15 @@ def test_the_command_is_registered_with_its_defaults():
     args = build_parser().parse_args(["bench", "decode", "--threads", "1"])
     assert args.what == "decode" and args.contexts == [128, 1024] and args.batch_sizes == [8, 32]
     assert args.out == decode.CSV_PATH and args.threads == 1
+
+
+def test_rows_on_int8_activations_keep_the_weights_and_name_the_activations():
+    steps = {**STEPS, ("nanoserve", "gguf+int8", 1, 128): 0.008, ("nanoserve", "gguf+int8", 8, 128): 0.030}
+    rows = decode.make_rows(steps, {**BYTES, ("nanoserve", "gguf+int8"): 1e8}, bandwidth=20e9)
+    int8 = [r for r in rows if r.activations == "int8"]
+    assert [(r.weights, r.batch) for r in int8] == [("gguf", 1), ("gguf", 8)]
+    assert int8[0].tok_s == 125 and math.isclose(int8[0].bandwidth_frac, 0.625)
+    assert all(r.activations == "fp32" for r in rows if r not in int8)
+    assert decode.by_batch(rows)["gguf+int8"] == {1: 125.0, 8: 8 / 0.030}
+    args = build_parser().parse_args(["bench", "decode", "--activations", "fp32", "int8"])
+    assert args.activations == ["fp32", "int8"]

@@ -1,6 +1,7 @@
 """The compiled step of a model on blocks (`model.compiled`): the Python forward's logits bit for bit, on decode
-steps and chunks after a cached context, ragged batches, any block size; the same K/V written into the pool;
-whole prompts and models off blocks left to the Python forward; bad metadata refused by name."""
+steps and chunks after a cached context, ragged batches, any block size, fp32 or int8 activations; the same K/V
+written into the pool; whole prompts and models off blocks left to the Python forward; bad metadata refused by
+name."""
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ from nanoserve.model.compiled import BlockStep, applies
 from nanoserve.model.gguf_weights import to_blocks
 
 
-@pytest.fixture(scope="module")
-def tiny_blocks(tiny_cfg, compiled):
-    return to_blocks(Llama.random(tiny_cfg, seed=5))
+@pytest.fixture(scope="module", params=["fp32", "int8"])
+def tiny_blocks(request, tiny_cfg, compiled):
+    """A tiny model on blocks, its products on fp32 activations, then on int8 ones."""
+    return to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param)
 
 
 def runners(model, num_blocks: int, block_size: int):
@@ -132,8 +134,10 @@ def test_a_slot_outside_the_pool_is_refused_by_name(tiny_blocks):
         fast.block_step(ids, bad, fast.storage)
 
 
-def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir, tok, compiled):
-    model = nanoserve.load(model_dir, weights="gguf")[0]
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir, tok, compiled, activations):
+    model = nanoserve.load(model_dir, weights="gguf", activations=activations)[0]
+    assert model.activations == activations
     manager, fast, slow = runners(model, 64, 16)
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n"), [1] * 40]
     for f, s in run_both(manager, fast, slow, prompts, steps=4):

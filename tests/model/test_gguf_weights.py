@@ -9,7 +9,7 @@ from prompts import MAX_NEW, PROMPTS, near_tie_horizon, prompt_ids
 import nanoserve
 from nanoserve import LLM, SamplingParams, generate
 from nanoserve.config import CheckpointError
-from nanoserve.engine import LLMEngine, SchedulerConfig
+from nanoserve.engine import LLMEngine
 from nanoserve.kernels import quant
 from nanoserve.model import Llama
 from nanoserve.model.gguf_weights import load_gguf, to_blocks
@@ -104,8 +104,7 @@ def test_generate_on_blocks_gives_transformers_greedy_tokens(gguf_model, tok, hf
 
 def test_the_engine_on_blocks_gives_each_request_its_tokens(gguf_model, tok, hf_greedy):
     """Requests batched, chunked and arriving together: each gets transformers' tokens for its prompt alone."""
-    engine = LLMEngine(gguf_model, tok, config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96),
-                       num_blocks=64)
+    engine = LLMEngine(gguf_model, tok, max_num_seqs=4, max_num_batched_tokens=96, num_blocks=64)
     rid = {name: engine.add_request(hf_greedy[name][0], SamplingParams(temperature=0, max_tokens=MAX_NEW))
            for name in PROMPTS}
     out: dict[str, list[int]] = {}

@@ -246,16 +246,15 @@ struct Quantized {
   Acts acts;
 };
 
-Quantized quantize(const torch::Tensor& x, int64_t B, int64_t K, const Road& road) {
+Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
   const int64_t nb = K / QK, kq = (nb + 3) / 4 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
   Quantized z;
-  z.buffer = torch::empty({B * (kq + 3 * ld * 4)}, x.options().dtype(torch::kUInt8));
+  z.buffer = torch::empty({B * (kq + 3 * ld * 4)}, torch::TensorOptions().dtype(torch::kUInt8));
   int8_t* qi = reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>());
   float* d = reinterpret_cast<float*>(qi + B * kq);  // kq and ld * 4 are multiples of 64: every part aligned
   float* ds = d + B * ld;
   int32_t* s = reinterpret_cast<int32_t*>(ds + B * ld);
   z.acts = Acts{qi, d, ds, s, nb, kq, ld};
-  const float* xp = x.data_ptr<float>();
   at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int8_t* q = qi + r * kq;
@@ -270,6 +269,18 @@ Quantized quantize(const torch::Tensor& x, int64_t B, int64_t K, const Road& roa
     }
   });
   return z;
+}
+
+// x (B, K) quantized by `road`, then times the N weight rows at w: out (B, N). Threads split the weight rows; a
+// task's rows stay in cache while every tile of x passes over them.
+void product(const Road& road, Fmt f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
+  const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+  const Quantized z = quantize(x, B, K, road);
+  const uint8_t* w_end = w + N * row_bytes;
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK)
+      road.rows(f, w, row_bytes, o0, std::min(end, o0 + ROWS_PER_TASK), z.acts, B, out, N, w_end);
+  });
 }
 
 int64_t checked_rows(const torch::Tensor& x) {
@@ -290,7 +301,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int
   using namespace int8q;
   const Road& chosen = pick(road);
   const int64_t B = checked_rows(x), K = x.size(-1), nb = K / QK;
-  const Quantized z = quantize(x, B, K, chosen);
+  const Quantized z = quantize(x.data_ptr<float>(), B, K, chosen);
   torch::Tensor q = torch::empty({B, K}, x.options().dtype(torch::kInt8));
   torch::Tensor d = torch::empty({B, nb}, x.options());
   torch::Tensor s = torch::empty({B, nb}, x.options().dtype(torch::kInt32));
@@ -328,16 +339,15 @@ torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::stri
   shape.back() = N;
   torch::Tensor out = torch::empty(shape, x.options());
   if (B == 0 || N == 0) return out;
-  const Quantized z = quantize(x, B, K, chosen);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  const uint8_t* w_end = w + N * row_bytes;
-  float* o = out.data_ptr<float>();
-  // Threads split the weight rows; a task's rows stay in cache while every tile of x passes over them.
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-    for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK)
-      chosen.rows(f, w, row_bytes, o0, std::min(end, o0 + ROWS_PER_TASK), z.acts, B, o, N, w_end);
-  });
+  int8q::product(chosen, f, blocks.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>());
   return out;
+}
+
+// x (B, K) times a weight of N rows held as blocks -> out (B, N), on the best road this CPU has: block_linear_int8
+// on raw numbers, for callers that have checked the shapes (BlockModel, step.cpp).
+void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
+  static const int8q::Road& best = int8q::pick("");
+  if (B > 0 && N > 0) int8q::product(best, q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
 }
 
 // The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".

@@ -15,6 +15,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
-                          std::vector<std::string>, int64_t, int64_t, double>())
+                          std::vector<std::string>, std::vector<bool>, int64_t, int64_t, double>())
       .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits");
 }

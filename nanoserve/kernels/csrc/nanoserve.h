@@ -28,15 +28,16 @@ void add_rms_norm_rows(const float* x, const float* residual, const float* weigh
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
 void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
+void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
 void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
 
 // A model on blocks, stepped by one call (step.cpp): its weights checked and held once, each step's
-// inputs passed to `step`.
+// inputs passed to `step`. int8[i]: matrix i multiplies int8-quantized activations (block_linear_int8's product).
 class BlockModel {
  public:
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
-             std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, int64_t n_heads, int64_t n_kv_heads,
-             double eps);
+             std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
+             int64_t n_heads, int64_t n_kv_heads, double eps);
   torch::Tensor step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
@@ -47,6 +48,7 @@ class BlockModel {
     const uint8_t* blocks;
     bool q4_1;
     int64_t rows, cols;  // the weight's (out, in)
+    bool int8;           // x quantized to int8 blocks first (kernels/int8.py)
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;

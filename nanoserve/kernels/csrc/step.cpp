@@ -21,14 +21,16 @@ void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
 }  // namespace
 
 // embed: the token table's blocks (V rows); norms: attn_norm and mlp_norm of each layer, then the final norm;
-// blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head. Every shape is checked here, once.
+// blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head; int8: which of them take int8 activations.
+// Every shape is checked here, once.
 BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
-                       std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, int64_t n_heads,
-                       int64_t n_kv_heads, double eps)
+                       std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
+                       int64_t n_heads, int64_t n_kv_heads, double eps)
     : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)) {
-  TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && norms.size() == blocks.size() / 2 + 1,
+  TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && int8.size() == blocks.size() &&
+              norms.size() == blocks.size() / 2 + 1,
               "expected 4 matrices and 2 norms per layer, then the head and the final norm; got ", blocks.size(),
-              " matrices, ", fmts.size(), " formats and ", norms.size(), " norms");
+              " matrices, ", fmts.size(), " formats, ", int8.size(), " activation flags and ", norms.size(), " norms");
   L_ = static_cast<int64_t>(blocks.size() / 4);
   TORCH_CHECK(norms[0].dim() == 1, "norms: expected vectors");
   C_ = norms[0].numel();
@@ -39,7 +41,7 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
                 what, " ", i, ": expected contiguous uint8 rows of ", cols / 32 * bytes, " bytes (", cols,
                 " inputs as ", fmt, "), got ", t.scalar_type(), " ", t.sizes());
     keep_.push_back(t);
-    return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols};
+    return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols, false};
   };
   embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
   for (const auto& w : norms) {
@@ -63,6 +65,7 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     mats_.insert(mats_.end(), {qkv, wo, gate_up, down});
   }
   mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
+  for (size_t i = 0; i < mats_.size(); ++i) mats_[i].int8 = int8[i];
 }
 
 // One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
@@ -115,7 +118,8 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   }
   dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
-    block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
+    if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
+    else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
   };
   for (int64_t layer = 0; layer < L_; ++layer) {
     const Matrix* w = &mats_[4 * layer];

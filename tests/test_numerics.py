@@ -1,0 +1,122 @@
+"""The opt-in formats against their exact counterparts, on the shared prompts (tests/prompts.py): int8 activations
+on the GGUF blocks (against fp32 activations on the same blocks), and bf16 (against fp32). Each format's logits
+stay within a stated tolerance; fp32 stays exact (the parity tests elsewhere are unchanged); a CPU without the
+format's instructions falls back to the numbers of the format's reference; greedy tokens agree up to a first
+divergence, which is reported, and which must fall where the exact logits' lead is within the format's error."""
+
+import pytest
+import torch
+from prompts import NEAR_TIE, PROMPTS, prompt_ids
+
+import nanoserve
+from nanoserve import LLM, SamplingParams, generate
+from nanoserve.cli import build_parser
+from nanoserve.kernels import int8
+from nanoserve.model import Llama
+from nanoserve.model.gguf_weights import set_activations, to_blocks
+from nanoserve.model.matmul import BlockWeight
+
+# Tolerances: max and mean |logit - exact logit| over every position of every shared prompt (logits' spread is 3-9).
+# int8: before each of a layer's 4 products every activation moves by up to half its block's step, max|x| / 254
+# (`int8.error_bound`), through 30 layers; measured here, max 2.3 and mean 0.28, at the chat prompts. bf16: the
+# matrices and each product's input and output rounded to 8 bits (2^-9 relative), the K/V too; measured, max 0.74
+# and mean 0.11. Each bound is twice what was measured, room for another CPU's summation order and bf16 kernel; a
+# broken scale, rounding or conversion moves logits by tens.
+INT8_MAX, INT8_MEAN = 5.0, 0.6
+BF16_MAX, BF16_MEAN = 1.5, 0.25
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def logit_errors(exact: Llama, other: Llama, tok) -> list[tuple[str, float, float]]:
+    """(prompt, max |error|, mean |error|) of other's logits against exact's, every position of each shared prompt."""
+    out = []
+    with torch.inference_mode():
+        for name in PROMPTS:
+            ids = torch.tensor([prompt_ids(tok, name)])
+            err = (other(ids)[0] - exact(ids)[0]).abs()
+            out.append((name, float(err.max()), float(err.mean())))
+    return out
+
+
+def check_divergence(exact: Llama, other: Llama, tok, name: str, record) -> None:
+    """Greedy tokens of `other` against `exact`'s on one prompt: equal up to the first divergence, reported; there,
+    on the shared context, exact's lead of its token over other's must be within twice other's error (else other
+    did not compute that context's logits)."""
+    ids = prompt_ids(tok, name)
+    a, b = generate(exact, ids, GREEDY, tok).token_ids, generate(other, ids, GREEDY, tok).token_ids
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    record(name, "none" if n is None else n)
+    if n is None:
+        return
+    assert a[:n] == b[:n]
+    with torch.inference_mode():
+        context = torch.tensor([ids + a[:n]])
+        la, lb = exact(context, last_only=True)[0], other(context, last_only=True)[0]
+    gap = float(la[a[n]] - la[b[n]])
+    assert lb.argmax() == b[n] and 0 <= gap <= 2 * float((la - lb).abs().max()) + 1e-6
+    record(f"{name} gap", f"{gap:.4g}{' (near-tie)' if gap < NEAR_TIE else ''}")
+
+
+# ---- int8 activations on the blocks -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def on_blocks(model_dir):
+    return nanoserve.load(model_dir, weights="gguf")[0], nanoserve.load(model_dir, weights="gguf",
+                                                                      activations="int8")[0]
+
+
+def test_int8_activations_are_opt_in_and_say_so(model_dir, on_blocks):
+    exact, fast = on_blocks
+    assert exact.activations == "fp32" and fast.activations == "int8"
+    assert all(w.activations == "int8" for w in fast.block_weights()) and isinstance(fast.lm_head, BlockWeight)
+    with pytest.raises(ValueError, match="needs weights='gguf'"):
+        nanoserve.load(model_dir, activations="int8")
+    with pytest.raises(ValueError, match="expected one of"):
+        nanoserve.load(model_dir, weights="gguf", activations="int4")
+    with pytest.raises(ValueError, match="needs a model on GGUF blocks"):
+        set_activations(Llama.random(nanoserve.config.ModelConfig.tiny()), "int8")
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--weights", "gguf", "--activations", "int8"])
+    assert (args.weights, args.activations) == ("gguf", "int8")
+
+
+def test_int8_logits_are_within_tolerance_of_the_blocks_on_fp32(on_blocks, tok):
+    for name, worst, mean in logit_errors(*on_blocks, tok):
+        assert 0 < worst <= INT8_MAX and mean <= INT8_MEAN, name  # 0 <: it is a different product
+
+
+def test_every_int8_road_gives_a_model_the_same_logits(tiny_cfg, monkeypatch):
+    """A CPU without VNNI takes the AVX2 road, one without AVX2 the portable loop, one without the kernels the torch
+    reference: the same bits each time (the products are integers, the fp32 steps fixed), so the same logits."""
+    model = to_blocks(Llama.random(tiny_cfg, seed=7), activations="int8")
+    ids = torch.tensor([[5, 9, 200, 3, 17, 4]])
+    with torch.inference_mode():
+        want = model(ids)
+        real = int8.block_linear_int8
+        for road in [*int8.int8_roads(), "torch"]:
+            forced = (lambda x, b, f, compiled=None, road=road: int8.block_linear_int8_reference(x, b, f)) \
+                if road == "torch" else (lambda x, b, f, compiled=None, road=road: real(x, b, f, road=road))
+            monkeypatch.setattr(int8, "block_linear_int8", forced)
+            assert torch.equal(model(ids), want), road
+        monkeypatch.setattr(int8, "block_linear_int8", real)
+
+
+@pytest.fixture
+def report(record_property):
+    """Record a finding in the test's report (junit's properties; printed too, for `pytest -s`)."""
+    def record(key: str, value: object) -> None:
+        record_property(key, value)
+        print(f"{key}: {value}")
+    return record
+
+
+def test_int8_greedy_tokens_agree_up_to_a_reported_divergence(on_blocks, tok, report):
+    for name in ("plain", "code", "chat"):
+        check_divergence(*on_blocks, tok, name, lambda k, v: report(f"int8 first divergence, {k}", v))
+
+
+def test_llm_takes_the_formats_by_keyword(model_dir):
+    llm = LLM(model_dir, weights="gguf", activations="int8", num_blocks=32)
+    assert llm.model.activations == "int8"
+    (out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
