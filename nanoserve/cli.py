@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec
     from .model import fetch
-    from .server import app as server
+    from .server import serve as server
     from .teach import memory
 
     ap = _Parser(prog="nanoserve", description="nanoserve: a small LLM inference engine. Commands:\n\n"
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return memory.run(args, argv)
     if args.command == "serve":
-        from .server import app as server
+        from .server import serve as server
 
         return server.run(args)
     from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec

@@ -54,7 +54,6 @@ from .protocol import (
     field_of,
 )
 from .responses import TokenText, chat_logprobs, completion_logprobs, joined, sse, usage_of
-from .serve import ServerThread, add_arguments, make_engine, run  # noqa: F401 (cli.py and the notebooks import them here)
 from .streams import RequestFailed, Streamed, collect, merged
 
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in (

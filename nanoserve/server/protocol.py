@@ -213,6 +213,10 @@ class CompletionRequest(_Common):
     OpenAI's legacy fields: with both, the prompt's tokens are scored too (how lm-eval scores a model), and
     `max_tokens: 0` then returns the prompt alone."""
 
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+        {"prompt": "The capital of France is", "max_tokens": 1, "logprobs": 2, "echo": True}]})
+
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=None, ge=0, description="0 only with echo: score the prompt alone")
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -274,6 +278,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Common):
     """POST /v1/chat/completions: messages rendered with the model's chat template. `logprobs: true` with
     `top_logprobs: N` reports each generated token's log-probability and its N likeliest alternatives."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "Give me three tips for learning to cook."}], "max_tokens": 32},
+        {"messages": [{"role": "user", "content": "Is the sky blue?"}], "max_tokens": 4,
+         "logprobs": True, "top_logprobs": 2}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)

@@ -5,7 +5,7 @@ gives every request transformers' greedy tokens for its prompt alone, up to a ge
 import pytest
 from prompts import MAX_NEW, near_tie_horizon, prompt_ids
 
-from nanoserve.engine import LLMEngine, SchedulerConfig
+from nanoserve.engine import LLMEngine
 from nanoserve.sampling import SamplingParams
 
 ARRIVALS = {"long_500": 0, "plain": 0, "chat": 1, "code": 3, "one_token": 3, "chat_cjk": 6}
@@ -15,7 +15,7 @@ ARRIVALS = {"long_500": 0, "plain": 0, "chat": 1, "code": 3, "one_token": 3, "ch
 def served(model, tok):
     """Run the workload once: the engine, and name -> (request, tokens streamed). The pool (44 blocks of 16)
     holds the long prompt's request (36 blocks) but not everyone at once."""
-    engine = LLMEngine(model, config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=96), num_blocks=44)
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=96, num_blocks=44)
     ids, tokens, step = {}, {}, 0
     while step <= max(ARRIVALS.values()) or engine.has_unfinished_requests():
         for name, at in ARRIVALS.items():

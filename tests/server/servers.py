@@ -8,12 +8,12 @@ from contextlib import contextmanager
 
 from nanoserve.engine import LLMEngine
 from nanoserve.server import AsyncEngine
-from nanoserve.server.app import ServerThread, build_app
+from nanoserve.server.app import build_app
 from nanoserve.server.limits import ServerConfig
+from nanoserve.server.serve import ServerThread
 
 KEY = "test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
-
 
 
 class Gate:

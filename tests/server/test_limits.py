@@ -15,8 +15,8 @@ import openai
 import pytest
 from servers import AUTH, KEY, tiny_server
 
-from nanoserve.server.app import add_arguments
 from nanoserve.server.limits import ServerConfig, host_name
+from nanoserve.server.serve import add_arguments
 
 
 def is_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:

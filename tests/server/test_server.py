@@ -18,8 +18,9 @@ from nanoserve import LLM, SamplingParams, generate
 from nanoserve.bench.engine import ragged_workload
 from nanoserve.engine import LLMEngine
 from nanoserve.server import AsyncEngine
-from nanoserve.server.app import ServerThread, build_app
+from nanoserve.server.app import build_app
 from nanoserve.server.limits import ServerConfig
+from nanoserve.server.serve import ServerThread
 
 NAME = "smollm2-test"
 
