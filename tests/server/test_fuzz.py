@@ -26,8 +26,8 @@ def fuzz(op, mode, url: str, session: requests.Session, seen: dict[str, set[int]
     """The hypothesis test of one operation: every answer a documented status, never a 5xx, errors in shape."""
     documented = {int(code) for code in op.definition.raw["responses"]}
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(case=op.as_strategy(generation_mode=mode))
     def check(case):
         response = case.call(base_url=url, session=session, headers=AUTH, timeout=120)
