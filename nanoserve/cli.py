@@ -15,6 +15,7 @@
     bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
     bench spec     prompt-lookup speculative decoding vs plain decoding, copy-heavy and chat (Day 40)
     bench outputs  what log-probabilities and structured outputs cost a decode step (Day 41)
+    bench shared   one request's decode with and without a busy neighbour process, per thread setting
     serve          an OpenAI-compatible HTTP server (Day 38)
 
 Bad arguments get one line on stderr and exit code 2.
@@ -36,7 +37,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec
+    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, shared, single
+    from .bench import spec as spec_bench
     from .model import fetch
     from .server import serve as server
     from .teach import memory
@@ -79,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_arguments(bsub.add_parser("decode", help="decode tok/s on the GGUF's blocks vs fp32 and llama.cpp"))
     attention.add_arguments(bsub.add_parser("attention", help="one decode step's attention, every road (Days 23-24)"))
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
-    spec.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
+    spec_bench.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
     outputs.add_arguments(bsub.add_parser("outputs", help="what logprobs and structured outputs cost a step (Day 41)"))
+    shared.add_arguments(bsub.add_parser("shared", help="a decode step with and without a busy neighbour process"))
     clients.add_arguments(bsub.add_parser("clients", help="llama-server's build, GuideLLM and lm-eval against serve"))
     server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap
@@ -105,12 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         from .server import serve as server
 
         return server.run(args)
-    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, single, spec
+    import importlib
 
-    runs = {"single": single.run, "layout": single.run, "paged": paged.run, "batch": batch.run, "engine": engine.run,
-            "chunked": chunked.run, "arrivals": arrivals.run, "attention": attention.run,
-            "spec": spec.run, "decode": decode.run, "outputs": outputs.run, "clients": clients.run}
-    return runs[args.what](args, argv)
+    module = importlib.import_module(f".bench.{'single' if args.what == 'layout' else args.what}", __package__)
+    return module.run(args, argv)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -22,10 +22,12 @@ from pathlib import Path
 import torch
 
 from ..config import nanoserve_home
+from ..generate import one_request_engine
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
 from ..model.fetch import default_model_dir, download_gguf
+from ..sampling import SamplingParams
 from . import csvio
 from .command import common_arguments, csv_header, report, start
 from .harness import load_hf_model, time_hf_generate, time_model_batch
@@ -40,7 +42,7 @@ CSV_PATH = "data/bench-decode.csv"
 class DecodeRow:
     """One configuration's measurement and what it means. Ratios are tok/s over tok/s, same run."""
 
-    engine: str  # nanoserve, nanoserve-py (blocks on the Python forward), transformers, llama.cpp
+    engine: str  # nanoserve, nanoserve-py (blocks on the Python forward), nanoserve-engine, transformers, llama.cpp
     weights: str  # fp32, or gguf (the file's Q4_1/Q8_0 blocks)
     batch: int
     context: int
@@ -88,6 +90,17 @@ def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
     Python forward, for a model on blocks)."""
     timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled_step=compiled_step)
     return timing.median_step_s
+
+
+def time_generate(model: Llama, prompt: Sequence[int], steps: int) -> float:
+    """Median decode step (s) of `generate`'s road: one request in the engine sized for it, every step's
+    scheduling, sampling and bookkeeping included."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    engine = one_request_engine(model, None, len(prompt), params)
+    engine.add_request(list(prompt), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(r.total_s for r in engine.history if r.num_prefill_tokens == 0)
 
 
 def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
@@ -166,7 +179,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     block_bytes = next(iter(on_blocks.values())).weight_bytes()  # the same blocks whatever they multiply
     weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes(), ("llama.cpp", "gguf"): block_bytes}  # llama.cpp too
     for key, m in on_blocks.items():
-        weight_bytes |= {("nanoserve", key): m.weight_bytes(), ("nanoserve-py", key): m.weight_bytes()}
+        weight_bytes |= {(e, key): m.weight_bytes() for e in ("nanoserve", "nanoserve-py", "nanoserve-engine")}
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[tuple[str, str, int, int], Callable[[], float]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
@@ -176,6 +189,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
             if b == 1:
                 jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, False)
+                # the public road: one request in an LLMEngine (generate's), beside the bare batch-1 step above
+                jobs[("nanoserve-engine", key, 1, ctx)] = lambda p=p, m=m: time_generate(m, p, n)
     if not args.no_transformers:
         hf = load_hf_model(default_model_dir())
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
