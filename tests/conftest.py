@@ -93,9 +93,9 @@ def tok(model_dir):
 
 @pytest.fixture(scope="session")
 def hf_model(model_dir):
-    import transformers
+    from nanoserve.teach.reference import load_reference
 
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return load_reference(model_dir)
 
 
 @pytest.fixture(scope="session")
@@ -144,13 +144,10 @@ def hf_greedy(hf_model, tok):
     name -> (prompt ids, new tokens, per-step logits). It stops at EOS or after MAX_NEW tokens."""
     from prompts import MAX_NEW, PROMPTS, prompt_ids
 
+    from nanoserve.teach.reference import reference_greedy
+
     out = {}
     for name in PROMPTS:
         ids = prompt_ids(tok, name)
-        with torch.inference_mode():
-            gen = hf_model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-                max_new_tokens=MAX_NEW, output_logits=True, return_dict_in_generate=True, pad_token_id=2,
-            )
-        out[name] = (ids, gen.sequences[0, len(ids):].tolist(), [step[0] for step in gen.logits])
+        out[name] = (ids, *reference_greedy(hf_model, ids, MAX_NEW))
     return out

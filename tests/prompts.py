@@ -1,9 +1,8 @@
 """The real-model prompts the parity tests share (1 to 500 tokens, plain text, code and chat), and the
 near-tie rule they are compared by."""
 
-import torch
+from nanoserve.teach.reference import NEAR_TIE, near_tie_horizon  # noqa: F401 (the tests import them here)
 
-NEAR_TIE = 1e-3  # a reference top1 - top2 logit gap below this is a genuine near-tie
 MAX_NEW = 64  # greedy tokens generated per prompt in the parity tests
 
 LONG_TEXT = (
@@ -28,14 +27,3 @@ def prompt_ids(tok, name: str) -> list[int]:
     kind, text = PROMPTS[name]
     ids = tok.encode_chat([{"role": "user", "content": text}]) if kind == "chat" else tok.encode(text)
     return ids[:500]
-
-
-def near_tie_horizon(ref_logits: list[torch.Tensor], gap: float = NEAR_TIE) -> int:
-    """How many leading steps the reference chose clearly: the index of the first step whose
-    top1 - top2 logit gap is below `gap` (or the number of steps if there is none).
-    Tokens before it must match exactly; from it on two correct fp32 paths may diverge."""
-    for i, logits in enumerate(ref_logits):
-        top2 = torch.topk(logits.float().flatten(), 2).values
-        if float(top2[0] - top2[1]) < gap:
-            return i
-    return len(ref_logits)

@@ -27,23 +27,30 @@ def load_reference(folder: str | Path | None = None):
     """transformers' Llama on the checkpoint folder (the fetched SmolLM2 by default), fp32, quietly."""
     import transformers
 
+    from ..bench.harness import load_hf_model
     from ..model.fetch import ensure_model
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-    folder = folder if folder is not None else ensure_model()
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return load_hf_model(folder if folder is not None else ensure_model())
+
+
+def _greedy_config(hf_model, max_new_tokens: int, ignore_eos: bool, pad_id: int | None):
+    """The checkpoint's generation config made greedy (its recommended sampling switched off)."""
+    config = copy.deepcopy(hf_model.generation_config)
+    pad = pad_id if pad_id is not None else (config.pad_token_id if config.pad_token_id is not None else 0)
+    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
+                  pad_token_id=pad)
+    if ignore_eos:
+        config.update(eos_token_id=[])
+    return config
 
 
 def reference_greedy(hf_model, prompt_ids: Sequence[int], max_new_tokens: int,
                      ignore_eos: bool = False) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' own greedy `generate` on one prompt, alone: its new tokens and each step's logits (V,).
     It stops at the checkpoint's EOS unless `ignore_eos`, or after max_new_tokens."""
-    config = copy.deepcopy(hf_model.generation_config)
-    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
-                  pad_token_id=config.pad_token_id if config.pad_token_id is not None else 0)
-    if ignore_eos:
-        config.update(eos_token_id=[])
+    config = _greedy_config(hf_model, max_new_tokens, ignore_eos, None)
     ids = torch.tensor([list(prompt_ids)])
     with torch.inference_mode():
         out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config,
@@ -56,11 +63,7 @@ def reference_greedy_batch(hf_model, prompts: Sequence[Sequence[int]], max_new_t
     """`reference_greedy` for several prompts in one left-padded batch (transformers' batched `generate`, its
     attention mask hiding the padding): per prompt, its tokens (up to and with its EOS) and each step's logits.
     The same tokens as each prompt alone up to rounding, so compare them by the near-tie rule too."""
-    config = copy.deepcopy(hf_model.generation_config)
-    config.update(do_sample=False, temperature=None, top_p=None, top_k=None, max_new_tokens=max_new_tokens,
-                  pad_token_id=pad_id)
-    if ignore_eos:
-        config.update(eos_token_id=[])
+    config = _greedy_config(hf_model, max_new_tokens, ignore_eos, pad_id)
     eos = set(config.eos_token_id if isinstance(config.eos_token_id, list) else
               ([] if config.eos_token_id is None else [config.eos_token_id]))
     T = max(len(p) for p in prompts)
