@@ -1,15 +1,9 @@
-"""What a static batch costs: wasted work and held-back answers (Day 29; stdlib only, the clock injected).
+"""What a static batch costs (Day 29; stdlib only, the clock injected): a batch runs until its slowest row is
+done, so it bills throughput (issued vs useful tokens) and latency (head-of-line blocking), never averaged into one.
 
-A static batch runs until its slowest row is done. `BatchTiming` holds one run and derives its two bills, never
-averaged into one: throughput (`issued_tokens` computed, `useful_tokens` collected, `waste_fraction` the gap)
-and latency (a row done at `row_done_s` is handed back at `batch_done_s`: head-of-line blocking). The prefill
-emits each row's first token, so a row of n tokens needs n - 1 steps; seven rows of 4 behind one of 32 run 31:
-
->>> t = static_batch_timing([4] * 7 + [32])
->>> t.issued_tokens, t.useful_tokens, round(t.waste_fraction, 2)   # 8 * 31, 7 * 3 + 31
+>>> t = static_batch_timing([4] * 7 + [32])  # the prefill emits each row's first token: n tokens, n - 1 steps
+>>> t.issued_tokens, t.useful_tokens, round(t.waste_fraction, 2)
 (248, 52, 0.79)
-
-`fit_batch_scaling` takes the other measurement: throughput against batch size on uniform batches.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ from .timing import DEFAULT_CLOCK, Clock, time_callable
 
 @dataclass(frozen=True)
 class BatchTiming:
-    """One run: the prefill, each decode step, and how many steps each row needed. A static batch (the defaults)
-    computes every row at every step and hands every row back at the end; a scheduled run (Day 31) says how many
-    rows each step computed (`step_rows`) and hands each row back when its own work is done."""
+    """One run: the prefill, each decode step, each row's steps. A static batch computes every row every step and
+    hands all back at the end; a scheduled run (Day 31) gives `step_rows` and hands each row back when done."""
 
     prefill_s: float
     step_s: list[float]
@@ -88,17 +81,14 @@ class BatchTiming:
         return 1 - self.useful_tokens / self.issued_tokens
 
     def _elapsed(self) -> list[float]:
-        """Clock offsets after the prefill and after each step: n_steps + 1 readings."""
         return list(itertools.accumulate(self.step_s, initial=self.prefill_s))
 
     @property
     def row_done_s(self) -> list[float]:
-        """Per row, when its own work ended: prefill plus its first row_steps[i] steps."""
         return [self._elapsed()[r] for r in self.row_steps]
 
     @property
     def batch_done_s(self) -> float:
-        """When the slowest row is done: prefill plus all steps."""
         return self._elapsed()[-1]
 
     @property
@@ -108,7 +98,6 @@ class BatchTiming:
 
     @property
     def hol_delay_s(self) -> list[float]:
-        """Per row, time spent holding a finished answer: row_returned_s - row_done_s."""
         return [back - done for back, done in zip(self.row_returned_s, self.row_done_s)]
 
     @property
@@ -124,12 +113,10 @@ class BatchTiming:
 
     @property
     def issued_tok_per_s(self) -> float:
-        """What the hardware moved: issued decode tokens over decode time."""
         return self.issued_tokens / self.decode_s
 
     @property
     def goodput_tok_per_s(self) -> float:
-        """What the service delivered: useful decode tokens over decode time."""
         return self.useful_tokens / self.decode_s
 
 
@@ -146,7 +133,7 @@ def time_static_batch(prefill: Callable[[], object], step: Callable[[], object],
 
 def static_batch_timing(output_lens: Sequence[int], step_s: float = 1.0,
                         prefill_s: float = 0.0) -> BatchTiming:
-    """A modelled run: rows generating `output_lens` tokens (each >= 1), every step taking `step_s`."""
+    """A modelled run: rows of `output_lens` tokens (each >= 1), every step `step_s`."""
     row_steps = [n - 1 for n in output_lens]
     return BatchTiming(prefill_s=prefill_s, step_s=[step_s] * max(row_steps, default=0), row_steps=row_steps)
 
@@ -171,9 +158,8 @@ def static_batch_costs(batch_size: int, short_share: float, long_short_ratio: fl
 
 @dataclass(frozen=True)
 class BatchScaling:
-    """Throughput against batch size on uniform batches. `speedup` is tok/s over the smallest batch's, `efficiency`
-    speedup over the ideal B / B0; `knee` the largest size that, with every smaller one, keeps efficiency >=
-    `min_efficiency`: past it a size may still raise tok/s, without paying its way."""
+    """Throughput against batch size on uniform batches; `knee`: the largest size that, with every smaller one,
+    keeps efficiency (speedup over the ideal B / B0) >= `min_efficiency`."""
 
     batch_sizes: list[int]
     step_s: list[float]
@@ -220,25 +206,18 @@ class BatchScaling:
 
 def fit_batch_scaling(batch_sizes: Sequence[int], median_step_s: Sequence[float],
                       min_efficiency: float = 0.75) -> BatchScaling:
-    """Sort one sweep's (batch size, median decode step) pairs into a checked `BatchScaling`.
-
-    >>> s = fit_batch_scaling([1, 2, 4, 8], [0.279, 0.474, 0.940, 2.092])
-    >>> [round(e, 2) for e in s.efficiency], s.knee, s.peak_batch_size
-    ([1.0, 0.59, 0.3, 0.13], 1, 4)
-    """
+    """One sweep's (batch size, median decode step) pairs, sorted, as a checked `BatchScaling`."""
     pairs = sorted(zip(batch_sizes, median_step_s, strict=True))
     return BatchScaling([int(b) for b, _ in pairs], [float(s) for _, s in pairs], min_efficiency)
 
 
+# prefill_s, step_s and row_steps are the raw record (floats exact, lists space-joined); the rest is derived
 CSV_FIELDS = ("label", "batch_size", "n_steps", "prefill_s", "decode_s", "issued_tokens", "useful_tokens",
               "waste_fraction", "max_hol_inflation", "issued_tok_per_s", "goodput_tok_per_s", "step_s", "row_steps")
-"""One row per run: prefill_s, step_s and row_steps are the raw record (floats exact, lists space-joined), the
-columns between are derived, for a reader of the file."""
 
 
 def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], meta: Mapping[str, object] | None = None,
               ) -> Path:
-    """Write labelled runs (e.g. 'nanoserve', 'blocking') to `path`, one row each, below `meta`'s header lines."""
     rows = [dict(zip(CSV_FIELDS, (label, t.batch_size, t.n_steps, repr(t.prefill_s), f"{t.decode_s:.6g}",
                                   t.issued_tokens, t.useful_tokens, f"{t.waste_fraction:.4f}",
                                   f"{t.max_hol_inflation:.4f}", f"{t.issued_tok_per_s:.4g}",
@@ -248,7 +227,6 @@ def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], meta: M
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[tuple[str, BatchTiming]]]:
-    """What `write_csv` wrote: the header lines, and the labelled runs, rebuilt exactly from the raw columns."""
     meta, rows = csvio.read_csv(path)
     return meta, [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
                                              step_s=[float(x) for x in row["step_s"].split()],

@@ -1,18 +1,7 @@
-"""Where the time of one decode step goes (Day 12).
-
-The forward runs under a `TorchFunctionMode`: every torch call the model makes (the compiled kernels and
-`onednn_linear` too: they dispatch through `handle_torch_function`) is timed and filed under a group of
-`model/llama.py` (GROUPS), by these rules in order:
-
-1. `F.embedding` is `embedding`; a call that touches a weight is named by it (`wqkv` qkv, `wo` o_proj,
-   `w_gate_up`/`w_down` mlp, the tied head lm_head, a norm's scale norms), known by its memory, so a transposed
-   view or whichever kernel runs the product is still found;
-2. everything the KV backend does is `attention` (the model is handed a backend wrapping the real one);
-3. calls from a function named for `norm` or `rope` go to that group (`add_rms_norm` with its add, `apply_rope`);
-4. anything else (a view, SiLU, the block's last add) goes to the group of the call before it.
-
-On a CPU an op has finished when it returns; on a GPU each call is synchronized around.
-"""
+"""Where the time of one decode step goes (Day 12): every torch call the forward makes is timed under a
+`TorchFunctionMode` and filed under a group (GROUPS): `F.embedding` is embedding; a call touching a weight's memory
+is that weight's group; all the KV backend does is attention; calls from a function named for norm or rope go
+there; anything else to the group of the call before it. On a GPU each call is synchronized around."""
 
 from __future__ import annotations
 
@@ -38,8 +27,6 @@ GROUPS = ("embedding", "norms", "qkv", "rope", "attention", "o_proj", "mlp", "lm
 
 @dataclass(frozen=True)
 class OpCall:
-    """One torch call made by the forward: its group, its name and the seconds it took."""
-
     group: str
     op: str
     seconds: float
@@ -47,8 +34,6 @@ class OpCall:
 
 @dataclass(frozen=True)
 class GroupRow:
-    """One line of the profile table."""
-
     group: str
     seconds: float  # median over repeats of the group's summed op time
     share: float  # of the total over all groups
@@ -56,11 +41,7 @@ class GroupRow:
 
 
 def weight_group(name: str) -> str | None:
-    """The op group a parameter belongs to, from its name in `model.named_parameters()`.
-
-    >>> weight_group("layers.3.wqkv"), weight_group("layers.3.w_down"), weight_group("norm")
-    ('qkv', 'mlp', 'norms')
-    """
+    """The op group of a parameter, from its name in `model.named_parameters()` (None: no group)."""
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in leaf:
         return "norms"
@@ -76,8 +57,7 @@ def weight_group(name: str) -> str | None:
 
 
 def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
-    """Bytes of weights each group reads in one forward over `n_tokens` tokens: a product its whole weight
-    whatever T is, the embedding lookup only its T rows (the tied head reads the table once)."""
+    """Weight bytes each group reads in one forward of `n_tokens`: a product all its weight, the lookup T rows."""
     out = dict.fromkeys(GROUPS, 0)
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -91,18 +71,12 @@ def weight_bytes_by_group(model: Llama, n_tokens: int) -> dict[str, int]:
 
 
 def flops_by_group(cfg: ModelConfig, n_tokens: int) -> dict[str, int]:
-    """Useful FLOPs of one forward over `n_tokens` tokens with `last_only`, per group (`roofline`'s count; the
-    groups without a product or attention do none)."""
+    """`roofline`'s FLOPs of one forward of `n_tokens` with `last_only`, for every group."""
     return dict.fromkeys(GROUPS, 0) | forward_flops_by_group(cfg, n_tokens)
 
 
 def summarize(runs: Sequence[Sequence[OpCall]], groups: Sequence[str] = GROUPS) -> list[GroupRow]:
-    """Per-group median seconds over repeated runs, and each group's share of the total.
-
-    >>> run = [OpCall("qkv", "linear", 3.0), OpCall("mlp", "linear", 1.0)]
-    >>> [(r.group, r.share) for r in summarize([run, run], ("qkv", "mlp"))]
-    [('qkv', 0.75), ('mlp', 0.25)]
-    """
+    """Per-group median seconds over repeated runs, and each group's share of the total."""
     if not runs:
         raise ValueError("summarize needs at least one run")
     unknown = {c.group for run in runs for c in run} - set(groups)
@@ -118,7 +92,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def _storage(t: Tensor) -> int:
-    """The address of a tensor's memory: the same for a parameter and every view of it."""
+    # the address of a tensor's memory: the same for a parameter and every view of it
     try:
         return t.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # tensors without storage (meta, wrapper subclasses)
@@ -126,7 +100,7 @@ def _storage(t: Tensor) -> int:
 
 
 def _caller_name() -> str:
-    """Name of the innermost function outside torch and this module that made the current torch call."""
+    # the innermost function outside torch and this module that made the current torch call
     frame = sys._getframe(2)
     while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
                                  or frame.f_code.co_filename == __file__):
@@ -135,8 +109,6 @@ def _caller_name() -> str:
 
 
 class _GroupingMode(TorchFunctionMode):
-    """Times every torch call made under it and files it under an op group (rules in the module doc)."""
-
     def __init__(self, weights: dict[int, str], clock: Clock, sync: Callable[[], None]):
         super().__init__()
         self.weights = weights  # storage address of a parameter -> its group
@@ -173,8 +145,6 @@ class _GroupingMode(TorchFunctionMode):
         return out
 
     def attention(self, kv: KVBackend) -> KVBackend:
-        """The KV backend `kv`, every call it makes filed under attention."""
-
         def backend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             self.in_attention = True
             try:
@@ -212,12 +182,6 @@ def profile_forward(
 
 
 def weight_rates(rows: Sequence[GroupRow], weight_bytes: dict[str, int]) -> dict[str, float]:
-    """Bytes of weights per second each group streamed: for a one-token step, the number to hold against the
-    machine's memory bandwidth (a matrix-vector product goes no faster than its weights stream).
-
-    >>> weight_rates([GroupRow("mlp", 0.01, 1.0, 4)], {"mlp": 300_000_000})
-    {'mlp': 30000000000.0}
-    """
+    """Weight bytes per second each group streamed: for a one-token step, to hold against memory bandwidth."""
     return {r.group: weight_bytes[r.group] / r.seconds for r in rows
             if weight_bytes.get(r.group, 0) > 0 and r.seconds > 0}
-

@@ -1,14 +1,5 @@
-"""This machine's roofline: how fast it computes, how fast it reads memory (Day 11). A kernel is limited by
-whichever runs out first; its arithmetic intensity (FLOPs per byte read) says which. Batch-1 decode does 2 FLOPs
-per 4-byte fp32 weight, far below any CPU's ridge, so its floor is reading every weight once.
-
->>> decode_limit_tok_s(weight_bytes=538e6, bandwidth=25e9)  # doctest: +ELLIPSIS
-46.4...
->>> decode_intensity(n_params=1000, batch=1), decode_intensity(n_params=1000, batch=8)
-(0.5, 4.0)
->>> attainable_flops(0.5, peak=1e12, bandwidth=25e9)
-12500000000.0
-"""
+"""This machine's roofline (Day 11): a kernel is limited by compute or by memory reads, whichever runs out first;
+its arithmetic intensity (FLOPs per byte read) says which. Batch-1 decode's floor is reading every weight once."""
 
 from __future__ import annotations
 
@@ -32,8 +23,7 @@ def decode_limit_tok_s(weight_bytes: float, bandwidth: float) -> float:
 
 def decode_intensity(n_params: float, batch: int = 1, bytes_per_param: float = 4.0,
                      kv_bytes: float = 0.0) -> float:
-    """FLOPs per byte of one decode step: batch rows x 2 FLOPs per weight, weights read once (batching is the
-    lever: the same bytes serve `batch` tokens), plus `kv_bytes` read from the cache by all rows."""
+    """FLOPs per byte of one decode step: 2 per weight per row, the weights read once for all rows, plus `kv_bytes`."""
     if n_params <= 0 or batch < 1 or bytes_per_param <= 0 or kv_bytes < 0:
         raise ValueError(f"bad decode step: n_params={n_params}, batch={batch}, bytes={bytes_per_param}")
     return 2.0 * n_params * batch / (n_params * bytes_per_param + kv_bytes)
@@ -53,8 +43,8 @@ def ridge_point(peak: float, bandwidth: float) -> float:
 
 def forward_flops_by_group(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True,
                            ) -> dict[str, int]:
-    """FLOPs of one forward of `n_tokens` new tokens after `context` cached ones, by op group: 2 per weight per
-    token (the LM head only the last with `last_only`), 4 x H x D per (query, visible key) pair for attention."""
+    """FLOPs of one forward of `n_tokens` after `context` cached ones, by op group: 2 per weight per token (the
+    head's only the last with `last_only`), 4 x H x D per (query, visible key) pair for attention."""
     T, C, D, L = n_tokens, cfg.hidden_size, cfg.head_dim, cfg.n_layers
     pairs = T * context + T * (T + 1) // 2  # causal
     return {"qkv": 2 * T * C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D * L, "o_proj": 2 * T * cfg.n_heads * D * C * L,
@@ -63,25 +53,23 @@ def forward_flops_by_group(cfg: ModelConfig, n_tokens: int, context: int = 0, la
 
 
 def forward_flops(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: bool = True) -> float:
-    """All of `forward_flops_by_group`: one forward's FLOPs."""
     return float(sum(forward_flops_by_group(cfg, n_tokens, context, last_only).values()))
 
 
 @dataclass(frozen=True)
 class Roofline:
-    """Measured peaks (medians of repeats) and how they were measured."""
+    """Measured peaks (medians of repeats), in FLOP/s and bytes/s, and how they were measured."""
 
-    matmul_flops: float  # FLOP/s, fp32 square torch.matmul (MKL)
-    onednn_flops: float | None  # FLOP/s, the same product through oneDNN; None without it
-    read_bandwidth: float  # bytes/s, streaming sum of a buffer far larger than the caches
-    copy_bandwidth: float  # bytes/s, read + write counted, buffer to buffer
+    matmul_flops: float  # fp32 square torch.matmul (MKL)
+    onednn_flops: float | None  # the same product through oneDNN; None without it
+    read_bandwidth: float  # streaming sum of a buffer far larger than the caches
+    copy_bandwidth: float  # read + write counted, buffer to buffer
     threads: int
     gemm_n: int
     buffer_bytes: int
 
     @property
-    def peak_flops(self) -> float:
-        """The roof: the faster of the two products (a kernel is not the machine's limit)."""
+    def peak_flops(self) -> float:  # the faster product: a kernel is not the machine's limit
         return max(self.matmul_flops, self.onednn_flops or 0.0)
 
     @property
@@ -101,15 +89,14 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> float:
-    """fp32 FLOP/s of an n x n x n torch.matmul (2 n^3 FLOPs), median of `repeats`."""
+    """fp32 FLOP/s of an n x n x n torch.matmul, median of `repeats`."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     out = torch.empty(n, n)
     return 2 * n**3 / _median_seconds(lambda: torch.matmul(a, b, out=out), repeats)
 
 
 def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
-    """fp32 FLOP/s of the same product through oneDNN (None without it), which picks kernels by the CPU's
-    instruction set where MKL may not; the weight packed in oneDNN's blocked layout, as nanoserve's are."""
+    """The same through oneDNN (None without it), the weight packed as nanoserve's are."""
     if not ONEDNN:
         return None
     with torch.inference_mode(False):  # a weight `pack` can version (and packed, as nanoserve's are)
@@ -120,8 +107,7 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
 
 
 def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, float]:
-    """(read, copy) bytes/s on a buffer of `nbytes`, far larger than a CPU's caches: read is a sum (each byte
-    once, nothing written), copy counts read + write (lower: each written line is also read first)."""
+    """(read, copy) bytes/s on a buffer far larger than the caches: a sum, and a copy counting read + write."""
     src = torch.ones(nbytes // 4)
     dst, half = torch.empty(src.numel() // 2), src[: src.numel() // 2]
     return (nbytes / _median_seconds(src.sum, repeats),
@@ -129,7 +115,7 @@ def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, flo
 
 
 def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int = 7) -> Roofline:
-    """Measure this machine with torch's current thread count (a few seconds)."""
+    """Measure this machine with torch's current thread count."""
     with torch.inference_mode():
         flops, onednn = measure_gemm_flops(gemm_n, repeats), measure_onednn_gemm_flops(gemm_n, repeats)
         read, copy = measure_bandwidth(buffer_bytes, repeats)
@@ -138,10 +124,10 @@ def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int
 
 @dataclass(frozen=True)
 class StepRoofline:
-    """Where a decode step of B rows sits: its FLOPs, its bytes, and the best time the machine allows."""
+    """A decode step of B rows on the roofline: its FLOPs, its bytes, the best time the machine allows."""
 
     batch_size: int
-    flops: float  # one step: every row's one new token over `context` keys
+    flops: float
     bytes: float  # every weight once, plus each row's K/V
     peak_flops: float
     bandwidth: float
@@ -160,7 +146,6 @@ class StepRoofline:
 
 
 def step_roofline(model: Llama, batch_size: int, context: int, peak_flops: float, bandwidth: float) -> StepRoofline:
-    """The roofline point of one decode step at `batch_size` rows, each attending over `context` keys."""
     cfg = model.cfg
     kv_bytes = kv_bytes_per_token(cfg, model.dtype.itemsize) * context
     return StepRoofline(batch_size, batch_size * forward_flops(cfg, 1, context - 1),

@@ -1,11 +1,5 @@
-"""Timing generation the way serving benchmarks do, the clock injected (stdlib only: every number it derives is
-pinned in a unit test with a fake clock). vLLM's words: TTFT, time to first token; TPOT, time per output token,
-(latency - TTFT) / (output_len - 1), the decode pace once the prefill is paid; ITL, the gaps between tokens.
-
->>> t = RequestTiming(start=0.0, token_times=(0.5, 0.7, 0.9), end=1.0)
->>> t.ttft, t.latency, t.tpot, [round(gap, 6) for gap in t.itl]
-(0.5, 1.0, 0.25, [0.2, 0.2])
-"""
+"""Timing with the clock injected (stdlib only: a fake clock pins every number in the tests). vLLM's words:
+TTFT, time to first token; TPOT, (latency - TTFT) / (output_len - 1); ITL, the gaps between tokens."""
 
 from __future__ import annotations
 
@@ -16,17 +10,19 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-Clock = Callable[[], float]
-"""Anything that returns seconds as a float: `time.perf_counter` or a fake in tests."""
-
+Clock = Callable[[], float]  # seconds as a float: time.perf_counter, or a fake in tests
 DEFAULT_CLOCK: Clock = time.perf_counter
 K, T = TypeVar("K"), TypeVar("T")
 
 
 @dataclass(frozen=True)
 class RequestTiming:
-    """Clock readings for one request: its start, each token, its end. Every metric derives from them, so TTFT, TPOT
-    and ITL never disagree; a request without tokens has no TTFT, so it is refused rather than reported as zero."""
+    """One request's clock readings (start, each token, end): every metric derives from them, so none disagree.
+
+    >>> t = RequestTiming(start=0.0, token_times=(0.5, 0.7, 0.9), end=1.0)
+    >>> t.ttft, t.latency, t.tpot
+    (0.5, 1.0, 0.25)
+    """
 
     start: float
     token_times: tuple[float, ...]
@@ -60,23 +56,14 @@ class RequestTiming:
 
     @property
     def itl(self) -> list[float]:
-        """Inter-token latencies: output_len - 1 gaps."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
 
 class StreamTimer:
-    """Records a `RequestTiming` around a real generation loop: `start()`, `token()` per token, `finish()`.
-
-    >>> ticks = iter([0.0, 0.3, 0.4, 0.6])
-    >>> timer = StreamTimer(clock=lambda: next(ticks))
-    >>> timer.start(); timer.token(); timer.token(); timer.finish().ttft
-    0.3
-    """
+    """Records a `RequestTiming` around a real generation loop: `start()`, `token()` per token, `finish()`."""
 
     def __init__(self, clock: Clock = DEFAULT_CLOCK) -> None:
-        self.clock = clock
-        self._start: float | None = None
-        self._tokens: list[float] = []
+        self.clock, self._start, self._tokens = clock, None, []
 
     def start(self) -> None:
         if self._start is not None:
@@ -117,14 +104,13 @@ def interleaved(fns: Sequence[Callable[[], object]], repeats: int, warmup: int =
 
 def time_callable(fn: Callable[[], object], repeats: int, warmup: int = 1, clock: Clock = DEFAULT_CLOCK,
                   ) -> list[float]:
-    """`interleaved` of one fn: `warmup` untimed calls, then each of `repeats` timed calls' duration."""
+    """`interleaved` of one fn."""
     return interleaved([fn], repeats, warmup, clock)[0]
 
 
 def rounds(jobs: Mapping[K, Callable[[], T]], n: int, clock: Clock = DEFAULT_CLOCK,
            log: Callable[[str], object] | None = None) -> dict[K, list[T]]:
-    """Every job once per round, `n` rounds, so a shared machine's slow minute falls on every job alike: each
-    job's results, in round order (`log` hears how long each round took)."""
+    """Every job once per round, `n` rounds, so a slow minute falls on every job alike; results in round order."""
     out: dict[K, list[T]] = {key: [] for key in jobs}
     for r in range(n):
         t0 = clock()
@@ -137,8 +123,7 @@ def rounds(jobs: Mapping[K, Callable[[], T]], n: int, clock: Clock = DEFAULT_CLO
 
 @dataclass(frozen=True)
 class Summary:
-    """Repeated measurements: report the median; p10..p90 (linear between order statistics, numpy's default,
-    so within [min, max]) shows the spread."""
+    """Repeated measurements: the median to report, p10..p90 (numpy's default interpolation) for the spread."""
 
     n: int
     median: float
@@ -149,18 +134,12 @@ class Summary:
     max: float
 
     def describe(self, scale: float = 1e3, unit: str = "ms") -> str:
-        """One line for a `[time]` print, e.g. 'median 279.0 ms (p10 270.1, p90 290.2, n=5)'."""
         return (f"median {self.median * scale:.1f} {unit} "
                 f"(p10 {self.p10 * scale:.1f}, p90 {self.p90 * scale:.1f}, n={self.n})")
 
 
 def summarize(values: Sequence[float]) -> Summary:
-    """Summarize samples with stdlib `statistics`.
-
-    >>> s = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
-    >>> s.median, s.p10, s.p90
-    (3.0, 1.4, 4.6)
-    """
+    """Samples' median, mean, p10, p90, min and max (stdlib `statistics`)."""
     values = [float(v) for v in values]
     if not values:
         raise ValueError("cannot summarize zero measurements")
