@@ -1,11 +1,6 @@
-"""`python -m nanoserve bench arrivals`: requests arriving over time, served; vLLM's metrics per rate.
-
-`bench engine`'s ragged workload on a gamma/Poisson trace at each of `--rates`, replayed on the wall clock by each
-of SYSTEMS: the engine, `serve` in a subprocess (this command's engine options), transformers' continuous batching
-manager, that behind its HTTP server, and llama.cpp's llama-server on the GGUF (where `python -m
-nanoserve.bench.clients build-llama-server` has built it). A request's clock starts at its scheduled arrival, so a
-system late to admit it pays in TTFT. Two CSVs: a row per (system, rate) (`--out`), a row per request beside it.
-"""
+"""`python -m nanoserve bench arrivals`: `bench engine`'s ragged workload on a gamma/Poisson trace at each of
+`--rates`, replayed on the wall clock by each of SYSTEMS; a request's clock starts at its scheduled arrival, so a
+system late to admit it pays in TTFT. A CSV row per (system, rate) (`--out`), and one per request beside it."""
 
 from __future__ import annotations
 
@@ -41,8 +36,6 @@ SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transform
 
 @dataclass
 class Replay:
-    """One system on one trace: each request's timing (absolute clock readings) and tokens."""
-
     system: str
     rate: float
     timings: list[RequestTiming]
@@ -99,10 +92,8 @@ def replay_hf_continuous(manager, w: Workload, arrivals: Sequence[float], rate: 
 
 def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
                   system: str = "nanoserve-server", tok=None) -> Replay:
-    """Every request a streaming completion sent at its arrival, its tokens stamped where the client sees them.
-    llama-server takes the same ids and ignore_eos but sends no ids back; transformers serve gets the prompt as
-    text, EOS off through its generation_config field, and sends no ids. Where no ids come back, a chunk with text
-    is a token and the usage count the rest."""
+    """Each request a streaming completion sent at its arrival, its tokens stamped as the client sees them; where
+    no ids come back (llama-server, transformers serve), a chunk with text is a token and usage counts the rest."""
     import httpx
 
     def body(i: int, model: str) -> dict:
@@ -145,19 +136,10 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
     return Replay(system, rate, [t for t, _ in results], [ids for _, ids in results])
 
 
-def llama_server_command(port: int, config: EngineConfig, w: Workload, threads: int | None) -> list[str]:
-    """llama-server on the fetched GGUF: a slot per sequence the engine runs at once (`max_num_seqs`), each slot
-    holding the workload's longest request, the threads `serve` gets (default: the cores)."""
-    slot_tokens = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
-    gguf = download_gguf(nanoserve_home() / "downloads")
-    return llama_server_argv(llama_server_path(), gguf, port, config.scheduler.max_num_seqs, slot_tokens,
-                             threads or os.cpu_count() or 1)
-
-
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             server_options: Sequence[str] = (), threads: int | None = None) -> Iterator[Callable[..., Replay]]:
-    """One system stood up and warm, as `replay(workload, arrivals, rate)`; torn down on leaving."""
+    """One system stood up and warm, as `replay(workload, arrivals, rate)`."""
     warm = Workload("warm", w.prompts[:2], [2, 2])
     if system == "nanoserve-engine":
         engine = LLMEngine(model, tok, config)
@@ -172,15 +154,15 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         finally:
             manager.stop(block=True)
     else:
-        port = free_port()
-        hf_serve = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching", "--host",
-                    "127.0.0.1", "--port", str(port), str(ensure_model())]  # its continuous batching, preloaded
-        if system == "nanoserve-server":
-            proc = start_server(port, server_options)
-        elif system == "llama-server":
-            proc = start_server(port, command=llama_server_command(port, config, w, threads))
-        else:
-            proc = start_server(port, command=hf_serve)
+        port, command = free_port(), None
+        if system == "llama-server":  # a slot per sequence the engine runs at once, each fitting the longest request
+            slot = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
+            command = llama_server_argv(llama_server_path(), download_gguf(nanoserve_home() / "downloads"), port,
+                                        config.scheduler.max_num_seqs, slot, threads or os.cpu_count() or 1)
+        elif system == "transformers-serve":  # its continuous batching, the model preloaded
+            command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+                       "--host", "127.0.0.1", "--port", str(port), str(ensure_model())]
+        proc = start_server(port, server_options if command is None else (), command=command)
         try:
             replay_server(port, warm, [0.0, 0.0], system=system, tok=tok)
             yield lambda w, arrivals, rate: replay_server(port, w, arrivals, rate, system=system, tok=tok)
@@ -195,7 +177,6 @@ def requests_path(out: str | Path) -> Path:
 
 
 def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO, meta: dict) -> None:
-    """The summary (one row per system and rate) at `out`, every request beside it (`requests_path`)."""
     rows = [dict(system=r.system, rate=r.rate, **{k: round(v, 5) for k, v in serving_metrics(r.timings, slo).row()
                                                   .items()}) for r in replays]
     csvio.write_csv(out, rows, meta)
@@ -207,18 +188,17 @@ def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO
 
 
 def read_summary(path: str | Path) -> tuple[dict[str, str], list[dict]]:
-    """The header and the summary rows, numbers as floats."""
+    """The header and the summary rows, numbers as floats (as are `read_requests`', TPOT None for one token)."""
     meta, rows = csvio.read_csv(path, parse=True)
     return meta, [{k: float(v) if isinstance(v, int) else v for k, v in r.items()} for r in rows]
 
 
 def read_requests(path: str | Path) -> list[dict]:
-    """The per-request rows beside a summary CSV, numbers as floats (a one-token request's TPOT is None)."""
     return read_summary(requests_path(path))[1]
 
 
 def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -> dict[tuple[str, float], float]:
-    """Each (system, rate)'s goodput recomputed from its requests under another SLO (same runs, same durations)."""
+    """Each (system, rate)'s goodput recomputed from its requests under another SLO."""
     duration = {(r["system"], r["rate"]): r["duration_s"] for r in summary}
     good = dict.fromkeys(duration, 0)
     for r in requests:
@@ -240,10 +220,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    """Each system over every rate, one after another in this process; two CSVs and a table."""
     systems = list(args.systems)
     if "llama-server" in systems and llama_server_path() is None:
-        print(f"llama-server: skipped, not built (`python -m nanoserve.bench.clients build-llama-server` builds it "
+        print(f"llama-server: skipped, not built (`python -m nanoserve bench clients build-llama-server` builds it "
               f"into {nanoserve_home() / 'llama.cpp'} from the llama-cpp-python sdist)", file=sys.stderr)
         systems.remove("llama-server")
     if not systems:

@@ -1,11 +1,6 @@
-"""`python -m nanoserve bench attention`: one decode step's attention, every road, side by side (Days 23, 24).
-
-IMPLS: `gather` (blocks copied out of the pool, then SDPA), `torch` (keys gathered into one rectangle, values
-summed by embedding_bag), `sdpa` (keys already contiguous), `kernel` (the compiled kernel reading keys where they
-lie), `split-k` (long rows read in pieces on several cores). One layer, `batch` requests of `context` keys in
-blocks over a shuffled pool, at each thread count; the roads checked to agree, then timed interleaved, each call on
-cold caches. GB/s is the ideal bytes (every key and value read once) over the median time.
-"""
+"""`python -m nanoserve bench attention`: one decode step's attention on every road (IMPLS), Days 23-24: one
+layer, `batch` requests of `context` keys in blocks over a shuffled pool, checked to agree, then timed interleaved
+on cold caches; GB/s is the ideal bytes (every key and value read once) over the median time."""
 
 from __future__ import annotations
 
@@ -38,8 +33,6 @@ FIELDS = ("impl", "threads", "batch", "context", "block_size", "ms", "p10_ms", "
 
 @dataclass(frozen=True)
 class Point:
-    """One road at one (batch, context): its times, and the bytes the step needed."""
-
     impl: str
     threads: int
     batch: int
@@ -51,12 +44,10 @@ class Point:
 
     @property
     def gb_s(self) -> float:
-        """Ideal K/V bytes over the median time: the bandwidth the step behaves as if it had."""
         return self.kv_ideal_bytes / self.time.median / 1e9
 
     def row(self, kernel: Summary) -> dict[str, object]:
-        """The CSV row; x_kernel over the unsplit kernel's median in the same run (x_kernel_p10: 10th percentiles,
-        what each road costs when the machine's other work leaves it alone)."""
+        """The CSV row; x_kernel over the unsplit kernel's median in the same run, x_kernel_p10 over its p10."""
         t, ms, passes = self.time, lambda s: round(s * 1e3, 4), KV_PASSES[self.impl]
         return dict(zip(FIELDS, (self.impl, self.threads, self.batch, self.context, self.block_size, ms(t.median),
                                  ms(t.p10), ms(t.p90), t.n, round(self.kv_ideal_bytes / 1e6, 3),
@@ -66,14 +57,14 @@ class Point:
 
 
 def kv_ideal_bytes(batch: int, context: int, n_kv_heads: int, head_dim: int, itemsize: int = 4) -> int:
-    """The K and V bytes a decode step's attention must read once: every request's every key and value."""
+    """The K and V bytes a decode step's attention must read: every key and value once."""
     return 2 * batch * context * n_kv_heads * head_dim * itemsize
 
 
 def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_dim: int, block_size: int,
                 seed: int = 0) -> dict[str, Callable[[], Tensor]]:
-    """One layer's decode attention for `batch` requests of `context` keys, a callable per road: random K/V in
-    blocks from a shuffled free list (a pool that has served many requests), the same numbers in order for sdpa."""
+    """One layer's decode attention, a callable per road: random K/V in blocks from a shuffled free list (a pool
+    that has served many requests), the same numbers contiguous for sdpa."""
     g = torch.Generator().manual_seed(seed)
     per = -(-context // block_size)
     n_blocks = batch * per
@@ -107,8 +98,8 @@ def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_di
 def measure(batch: int, context: int, n_heads: int = 9, n_kv_heads: int = 3, head_dim: int = 64,
             block_size: int = 16, repeats: int = 30, budget_s: float = 4.0, read_bw: float = 1.0,
             impls: Sequence[str] = IMPLS, flush_bytes: int = FLUSH_BYTES) -> list[Point]:
-    """Every road at one (batch, context), checked to agree, then timed interleaved, each call on cold caches:
-    `repeats` rounds, fewer (at least 5) where a round takes longer than budget_s / repeats."""
+    """Every road at one (batch, context), checked to agree, timed interleaved on cold caches: `repeats` rounds,
+    fewer (at least 5) where a round takes longer than budget_s / repeats."""
     flush = torch.ones(flush_bytes // 4) if flush_bytes else None
     roads = decode_step(batch, context, n_heads, n_kv_heads, head_dim, block_size)
     roads = {name: fn for name, fn in roads.items() if name in impls}
@@ -132,8 +123,7 @@ def run_sweep(batches: Sequence[int] = (1, 32), contexts: Sequence[int] = (128, 
               block_size: int = 16, repeats: int = 30, budget_s: float = 4.0, shapes: tuple[int, int, int] = (9, 3, 64),
               thread_counts: Sequence[int] = (1,), log: Callable[[str], None] | None = print,
               ) -> tuple[list[Point], list[float]]:
-    """The sweep at each of `thread_counts` torch threads, and this machine's read bandwidth, measured at the
-    start and after each batch size (their median is the one used)."""
+    """The sweep at each of `thread_counts`, and the read bandwidth at the start and after each batch size."""
     before = torch.get_num_threads()
     bws = [measure_bandwidth(2**28, 5)[0]]
     points: list[Point] = []
@@ -174,7 +164,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """The sweep on the loaded model's shapes, a table, and the CSV."""
     if kernels.load() is None:
         print(f"nanoserve bench attention: error: the compiled kernels are unavailable: {kernels.unavailable_reason()}")
         return 1

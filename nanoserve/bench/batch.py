@@ -1,9 +1,6 @@
-"""`python -m nanoserve bench batch`: static batching, measured (Day 29).
-
-The blocking run (seven rows of 4 tokens behind one of 32: issued vs useful tokens, head-of-line inflation), then
-uniform batches of `--sizes` rows: our step, our step on torch's ops and transformers' static `generate`, round
-by round, the machine's peak measured before each round. One CSV, the roofline in its header.
-"""
+"""`python -m nanoserve bench batch`: static batching, measured (Day 29): the blocking run, then uniform batches of
+`--sizes` rows, our step (on the kernels and on torch's ops) and transformers' `generate` round by round, the
+machine's peak measured before each round."""
 
 from __future__ import annotations
 
@@ -29,23 +26,23 @@ TORCH_OPS_LABEL = "nanoserve-torch-ops"  # the CSV's label for our step on torch
 
 
 def sweep_prompt(tok: Tokenizer, n_tokens: int = 0) -> list[int]:
-    """The sweep's prompt: the first of PROMPTS (n_tokens 0), or n_tokens of prose."""
+    """The first of PROMPTS (n_tokens 0), or n_tokens of prose."""
     return harness.prose(tok, n_tokens) if n_tokens > 0 else tok.encode(PROMPTS[0])
 
 
 def read_run(path: str | Path) -> tuple[dict, list[tuple[str, BatchTiming]]]:
-    """A batch CSV: its header (values JSON-decoded) and its labelled runs."""
+    """A batch CSV's header (values JSON-decoded) and labelled runs."""
     meta, runs = read_csv(path)
     return csvio.decoded(meta), runs
 
 
 def pooled_median(timings: Sequence[BatchTiming]) -> float:
-    """Median decode step over every step of every run (the sweep's rounds)."""
+    """Median decode step over every step of every run."""
     return statistics.median(s for t in timings for s in t.step_s)
 
 
 def blocking_run(model: Llama, prompts: Sequence[Sequence[int]]) -> BatchTiming:
-    """Day 29's blocking run: seven rows of 4 tokens batched behind one row of 32, timed for real."""
+    """Seven rows of 4 tokens behind one of 32, timed for real."""
     lens = harness.BLOCKING_LENS
     harness.time_model_batch(model, [prompts[0]] * len(lens), [2] * len(lens))  # warm up: the same shape
     return harness.time_model_batch(model, prompts[: len(lens)], [n - 1 for n in lens])[0]
@@ -53,8 +50,6 @@ def blocking_run(model: Llama, prompts: Sequence[Sequence[int]]) -> BatchTiming:
 
 @dataclass
 class SweepRuns:
-    """What `sweep_beside` timed, per batch size: every round's run of each road, and whether tokens agree."""
-
     ours: dict[int, list[BatchTiming]]
     theirs: dict[int, list[BatchTiming]]  # transformers' generate; empty lists without it
     same: dict[int, bool]  # transformers' tokens equal ours in every round
@@ -65,8 +60,8 @@ class SweepRuns:
 def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[int], steps: int,
                  rounds: int, before_round: Callable[[int], object] | None = None, torch_ops: bool = False,
                  ) -> SweepRuns:
-    """The uniform sweep, `rounds` times, transformers' generate (and with `torch_ops` our step on torch's ops)
-    right after each of ours, in the same machine state; `before_round(r)` runs first in round r."""
+    """The uniform sweep, `rounds` times, transformers' (and with `torch_ops` our step on torch's ops) right after
+    each of ours, in the same machine state; `before_round(r)` runs first in round r."""
     runs = SweepRuns({b: [] for b in sizes}, {b: [] for b in sizes}, {}, {b: [] for b in sizes} if torch_ops else {})
     for r in range(rounds):
         if before_round is not None:
@@ -89,8 +84,7 @@ def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[
 
 def sweep_rows(model: Llama, ours: BatchScaling, meta: dict, theirs: BatchScaling | None = None,
                ops: BatchScaling | None = None) -> list[dict]:
-    """The sweep's table: our step and tok/s beside transformers' and our step on torch's ops, and against the
-    machine's peak (torch's matmul and oneDNN's) and the roofline's best step."""
+    """Our step and tok/s beside transformers' and on torch's ops, against the machine's peaks and best step."""
     rows = []
     for i, b in enumerate(ours.batch_sizes):
         row = dict(B=b, step_ms=ours.step_s[i] * 1e3, tok_s=ours.tok_per_s[i], eff=ours.efficiency[i])

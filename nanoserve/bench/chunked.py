@@ -1,10 +1,6 @@
-"""`python -m nanoserve bench chunked`: a long prompt arrives while others decode (Day 32).
-
-`--decoders` short requests decode; once each has `--warm` tokens, `--long-tokens` of prose arrive. Without chunked
-prefill the whole prompt is one step every running request waits for; with it, each step takes the decode tokens
-and as much prompt as the budget (`max_num_batched_tokens`) has left. No chunking, then each of `--budgets`,
-interleaved round by round. A CSV row per sampled token: its step and time from the long prompt's arrival.
-"""
+"""`python -m nanoserve bench chunked`: a long prompt arrives while `--decoders` short requests decode (Day 32);
+without chunked prefill it is one step everyone waits for, with it each step takes the decode tokens and as much
+prompt as the budget has left. A CSV row per sampled token: its step and time from the long prompt's arrival."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ FIELDS = ("round", "label", "budget", "chunked", "request", "token", "token_id",
 
 @dataclass
 class ScenarioRun:
-    """One run of the scenario. Per request id (the long one is `LONG`): each sampled token's id, engine step and
-    clock reading, both counted from the long prompt's arrival (its step is step 0)."""
+    """One run: per request id, each sampled token's id, step and time, counted from the long prompt's arrival."""
 
     label: str
     budget: int
@@ -50,8 +45,7 @@ class ScenarioRun:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """What the running requests and the long one saw; stall gaps are the running requests' gaps that end while the
-    long prompt is computed (`stall_gaps`)."""
+    """What the long request and the running ones saw (their `stall_gaps`)."""
 
     label: str
     budget: int
@@ -65,19 +59,16 @@ class RunSummary:
 
 
 def label_of(config: EngineConfig | SchedulerConfig) -> str:
-    """A configuration's name in the CSV: its budget, or "no-chunk"."""
     s = engine_config(config).scheduler
     return str(s.max_num_batched_tokens) if s.chunked_prefill else "no-chunk"
 
 
 def long_prompt(tok: Tokenizer, n_tokens: int) -> list[int]:
-    """n_tokens of prose: ordinary text, not one token over and over."""
     return prose(tok, n_tokens)
 
 
 def short_prompts(tok: Tokenizer, n: int, n_tokens: int = 24) -> list[list[int]]:
-    """n prompts of n_tokens, each from its own place in the passage, none from its start: none shares a first block
-    with another or with `long_prompt` (the prefix cache finds nothing)."""
+    """n prompts of n_tokens from distinct places in the passage, not its start: the prefix cache finds nothing."""
     step = (len(tok.encode(PASSAGE, add_special_tokens=False)) - n_tokens) // (n + 1)
     if step < 1:
         raise ValueError(f"{n} prompts of {n_tokens} tokens do not fit the passage at distinct places")
@@ -121,7 +112,6 @@ def stall_gaps(run: ScenarioRun) -> list[float]:
 
 
 def summarize_run(run: ScenarioRun) -> RunSummary:
-    """One run's numbers: the long request's steps and time to first token, the running requests' gaps."""
     before = [b - a for r in run.short_ids for a, b in zip(run.times[r], run.times[r][1:]) if b <= 0]
     gaps = summarize(stall_gaps(run) or [0.0])
     return RunSummary(run.label, run.budget, run.chunked, run.steps[LONG][0] + 1, run.times[LONG][0],
@@ -129,7 +119,7 @@ def summarize_run(run: ScenarioRun) -> RunSummary:
 
 
 def median_summaries(summaries: Sequence[RunSummary]) -> list[RunSummary]:
-    """Per configuration, each timed field's median over its rounds (counts must agree); no chunking first."""
+    """Per configuration, each timed field's median over rounds (counts must agree); no chunking first."""
     out = []
     for label in dict.fromkeys(s.label for s in summaries):
         rs = [s for s in summaries if s.label == label]
@@ -142,7 +132,6 @@ def median_summaries(summaries: Sequence[RunSummary]) -> list[RunSummary]:
 
 
 def same_tokens(a: ScenarioRun, b: ScenarioRun) -> bool:
-    """Whether every request sampled the same tokens in both runs."""
     return a.tokens == b.tokens
 
 
@@ -154,7 +143,6 @@ def write_csv(path: str | Path, runs: Sequence[ScenarioRun], meta: dict) -> Path
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[ScenarioRun]]:
-    """A chunked CSV: its header lines and its runs, in the order they ran."""
     meta, rows = csvio.read_csv(path)
     runs: dict[tuple[int, str], ScenarioRun] = {}
     for row in rows:

@@ -1,13 +1,6 @@
-"""The field's own programs beside `serve`: llama.cpp's server as a peer, GuideLLM and lm-eval as its clients.
-
-    python -m nanoserve.bench.clients build-llama-server   # llama-server from the llama-cpp-python sdist
-    python -m nanoserve.bench.clients guidellm             # GuideLLM's synthetic benchmark against `serve`
-    python -m nanoserve.bench.clients lm-eval              # lm-eval's local-completions on two local tasks
-
-llama-server is built from the llama.cpp tree inside the llama-cpp-python sdist on PyPI into
-$NANOSERVE_HOME/llama.cpp/ (never the repo); `bench arrivals --systems llama-server` finds it there. The clients
-run unchanged, in their own processes, offline: the tokenizer is the model folder's, the data is made here.
-"""
+"""`python -m nanoserve bench clients`: the field's own programs beside `serve`, offline: llama-server built from
+the llama-cpp-python sdist into $NANOSERVE_HOME/llama.cpp/ (a peer for `bench arrivals`), GuideLLM and lm-eval as
+its clients, unchanged, in their own processes (the model folder's tokenizer, data made here)."""
 
 from __future__ import annotations
 
@@ -26,8 +19,7 @@ from pathlib import Path
 
 from ..config import nanoserve_home
 
-LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
-"""The sdist llama-server is built from (its vendor/llama.cpp); pinned so a build is the same build."""
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # the sdist whose vendor/llama.cpp is built: pinned, the same build
 
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
@@ -36,8 +28,7 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
 
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-"""The clients load the model folder's tokenizer and local data; nothing may reach a model hub."""
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # no model hub
 
 
 def free_port() -> int:
@@ -48,8 +39,8 @@ def free_port() -> int:
 
 def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 180,
                  command: Sequence[str] | None = None) -> subprocess.Popen:
-    """A server in a subprocess (`python -m nanoserve serve` unless `command` says), once its /health answers.
-    Its stderr goes to a temporary file (a pipe nobody reads would stall a chatty server), quoted if it dies."""
+    """A server in a subprocess (`python -m nanoserve serve` unless `command` says), once its /health answers; its
+    stderr to a temporary file (a pipe nobody reads would stall it), quoted if it dies."""
     import httpx
 
     command = list(command or [sys.executable, "-m", "nanoserve", "serve", "--port", str(port)]) + list(extra)
@@ -70,21 +61,13 @@ def start_server(port: int, extra: Sequence[str] = (), timeout_s: float = 180,
     raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
-# llama.cpp's server
-
-
-def llama_cpp_dir() -> Path:
-    return nanoserve_home() / "llama.cpp"
-
-
 def llama_server_path() -> Path | None:
-    """The built llama-server, or None where `build-llama-server` has not been run."""
-    path = llama_cpp_dir() / "bin" / "llama-server"
+    path = nanoserve_home() / "llama.cpp" / "bin" / "llama-server"
     return path if os.access(path, os.X_OK) else None
 
 
 def llama_server_version(binary: Path) -> str:
-    """What the binary says it is (`--version`: llama.cpp's build number and commit) and the sdist it came from."""
+    """The binary's `--version` (llama.cpp's build and commit) and the sdist it came from."""
     r = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
     build = next((line for line in (r.stdout + r.stderr).splitlines() if line.startswith("version")), "?")
     source = binary.parent / "SOURCE"
@@ -100,10 +83,9 @@ def llama_server_argv(binary: Path, gguf: Path, port: int, parallel: int, slot_t
 
 
 def build_llama_server(jobs: int | None = None, spec: str = LLAMA_CPP_PYTHON, verbose: bool = False) -> Path:
-    """`pip download --no-binary :all:` the sdist, unpack its vendor/llama.cpp under $NANOSERVE_HOME/llama.cpp/,
-    configure with CMAKE_OPTIONS and build the one target (cmake's output in build.log); the binary lands in bin/.
-    The download and unpacking are skipped where they are done, and cmake rebuilds only what changed."""
-    root = llama_cpp_dir()
+    """`pip download` the sdist, unpack it, cmake its vendor/llama.cpp with CMAKE_OPTIONS (output in build.log)
+    into bin/llama-server; what is done already is skipped."""
+    root = nanoserve_home() / "llama.cpp"
     root.mkdir(parents=True, exist_ok=True)
     name, version = spec.split("==")
     sdist = root / f"{name.replace('-', '_')}-{version}.tar.gz"
@@ -132,13 +114,9 @@ def build_llama_server(jobs: int | None = None, spec: str = LLAMA_CPP_PYTHON, ve
     return dest
 
 
-# GuideLLM
-
-
 def run_guidellm(url: str, tokenizer: str | Path, workdir: str | Path, requests: int = 4, prompt_tokens: int = 64,
                  output_tokens: int = 16, request_format: str = "/v1/completions", timeout_s: float = 900) -> dict:
-    """GuideLLM's CLI (`guidellm run`, its openai_http backend, one request at a time) on `requests` synthetic
-    prompts of fixed lengths against `url`; its JSON report, read back."""
+    """GuideLLM's CLI (openai_http, one request at a time) on `requests` synthetic prompts; its JSON report."""
     report = Path(workdir) / "guidellm.json"
     cmd = [sys.executable, "-m", "guidellm", "run",
            "--backend", f"kind=openai_http,target={url},request_format={request_format}",
@@ -154,7 +132,7 @@ def run_guidellm(url: str, tokenizer: str | Path, workdir: str | Path, requests:
 
 
 def guidellm_summary(report: dict) -> dict:
-    """The first benchmark's request counts and medians (ms) from GuideLLM's JSON report, and what usage sent."""
+    """The first benchmark's request counts, medians (ms), and each request's cached tokens from usage."""
     bench = report["benchmarks"][0]
     m, done = bench["metrics"], bench["requests"]["successful"]
 
@@ -169,9 +147,7 @@ def guidellm_summary(report: dict) -> dict:
                 cached_tokens=[q["input_metrics"].get("cached_tokens") for q in done])
 
 
-# lm-eval
-
-LM_EVAL_TASKS = {
+LM_EVAL_TASKS = {  # two tasks lm-eval loads from local files (`dataset_path: json`): nothing downloaded
     "nanoserve_tiny_choice": (  # loglikelihood: echo=True with logprobs, max_tokens 1
         {"output_type": "multiple_choice", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
          "metric_list": [{"metric": "acc"}]},
@@ -182,11 +158,10 @@ LM_EVAL_TASKS = {
          "generation_kwargs": {"until": ["\n", "."], "max_gen_toks": 8, "do_sample": False}},
         [{"question": "Q: What is the capital of France?\nA:", "answer": "Paris"}]),
 }
-"""Two tasks lm-eval loads from local files (`dataset_path: json`), so nothing is downloaded."""
 
 
 def write_lm_eval_tasks(folder: str | Path) -> list[str]:
-    """Each of LM_EVAL_TASKS as a YAML (JSON is YAML) beside its JSONL data in `folder`; the task names."""
+    """Each of LM_EVAL_TASKS as a YAML (JSON is YAML) beside its JSONL data; the task names."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for name, (fields, docs) in LM_EVAL_TASKS.items():
@@ -199,8 +174,7 @@ def write_lm_eval_tasks(folder: str | Path) -> list[str]:
 
 
 def run_lm_eval(url: str, model: str, tokenizer: str | Path, workdir: str | Path, timeout_s: float = 900) -> dict:
-    """lm-eval's CLI with `local-completions` (the model folder's tokenizer, prompts sent as token ids) on
-    LM_EVAL_TASKS against `url`; {"results": per task, "samples": per task, each doc's request and answer}."""
+    """lm-eval's `local-completions` on LM_EVAL_TASKS against `url`: its results and samples per task, its log."""
     workdir = Path(workdir)
     tasks = write_lm_eval_tasks(workdir / "tasks")
     args = f"base_url={url}/v1/completions,model={model},tokenizer_backend=huggingface,tokenizer={tokenizer}," \
@@ -216,9 +190,6 @@ def run_lm_eval(url: str, model: str, tokenizer: str | Path, workdir: str | Path
     samples = {t: [json.loads(line) for p in (workdir / "out").rglob(f"samples_{t}_*.jsonl")
                    for line in p.read_text().splitlines()] for t in tasks}
     return {"results": json.loads(results[-1].read_text())["results"], "samples": samples, "log": r.stdout}
-
-
-# the command
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -268,13 +239,3 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             proc.wait(timeout=60)
     return 0
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m nanoserve.bench.clients", description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    return run(args, list(argv or sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

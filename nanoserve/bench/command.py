@@ -1,6 +1,5 @@
-"""What every `bench` command shares. A command is a module with `add_arguments(ap)`, which calls
-`common_arguments`, and `run(args, argv) -> int`, which calls `start(args)` first and writes its CSV (`csvio`)
-under `csv_header(argv, ...)`: the command, the machine, the run's settings."""
+"""What every `bench` command shares: `add_arguments(ap)` calls `common_arguments`; `run(args, argv) -> int` calls
+`start(args)` first and writes its CSV (`csvio`) under `csv_header(argv, ...)`: the command, the machine, settings."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ SHARED = {  # options more than one command takes: type, a list or one value, he
 
 
 def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False, **shared: Any) -> None:
-    """--out (where the CSV goes), --threads, each SHARED option in `shared` with that default, and with `engine`
-    the engine's options (`EngineConfig`)."""
+    """--out, --threads, each SHARED option in `shared` with that default, and with `engine` EngineConfig's."""
     ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     for name, default in shared.items():
@@ -43,8 +41,7 @@ def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = 
 
 
 def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
-    """Set torch's threads if asked, warn when other work shares the machine (absolute numbers get noisy), and with
-    `model` load the model (`--model`'s folder where the command has one, else the fetched SmolLM2)."""
+    """Set torch's threads if asked, warn when other work shares the machine, and with `model` load the model."""
     if args.threads:
         torch.set_num_threads(args.threads)
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
@@ -57,7 +54,7 @@ def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenize
 
 
 def engine_config(config: EngineConfig | SchedulerConfig | argparse.Namespace | None = None) -> EngineConfig:
-    """The engine's configuration from a command line, a SchedulerConfig (the rest default), or None (defaults)."""
+    """The engine's configuration from a command line, a SchedulerConfig, or None (defaults)."""
     if isinstance(config, argparse.Namespace):
         return EngineConfig.from_cli(config)
     if isinstance(config, SchedulerConfig):
@@ -66,7 +63,7 @@ def engine_config(config: EngineConfig | SchedulerConfig | argparse.Namespace | 
 
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
-    """The engine's options as this command was given them, for a subprocess that takes them too (`serve`)."""
+    """The engine's options as this command was given them, for a `serve` subprocess."""
     ap = argparse.ArgumentParser(add_help=False)
     EngineConfig.add_cli_arguments(ap)
     out: list[str] = []
@@ -77,13 +74,13 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def csv_header(argv: Sequence[str], **extra: Any) -> dict[str, Any]:
-    """What a measured CSV opens with: its command as a user types it, its machine, the run's settings (`extra`)."""
+    """A measured CSV's header: its command as typed, its machine, the run's settings (`extra`)."""
     return {"command": shlex.join(["python", "-m", "nanoserve", *argv]), "machine": machine_line(), **extra}
 
 
 def report(out: object, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
            cols: Sequence[str] | None = None) -> int:
-    """Print the CSV's header and a table of `rows`, say where the CSV went; the command's exit code, 0."""
+    """Print the header and a table of `rows`, say where the CSV went; exit code 0."""
     print("\n".join(f"{k}: {v}" for k, v in meta.items()))
     print(f"{table(rows, cols)}\n-> {out}")
     return 0

@@ -1,12 +1,5 @@
 """A measured CSV under data/: `# key: value` lines (the command, the machine, the run's settings), then a table.
-Every bench command writes and reads its CSV here, so the header has one format and one parser. Stdlib only.
-
->>> import os, tempfile
->>> path = write_csv(os.path.join(tempfile.mkdtemp(), "x.csv"), [{"impl": "kernel", "ms": 0.5, "n": 30}],
-...                  {"command": "python -m nanoserve bench x", "same": True})
->>> read_csv(path, parse=True)
-({'command': 'python -m nanoserve bench x', 'same': 'true'}, [{'impl': 'kernel', 'ms': 0.5, 'n': 30}])
-"""
+Every bench command writes and reads its CSV here: one header format, one parser. Stdlib only."""
 
 from __future__ import annotations
 
@@ -36,7 +29,7 @@ def write_csv(path: str | Path, rows: Iterable[Mapping[str, Any] | Any], meta: M
 
 
 def read_csv(path: str | Path, parse: bool = False) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """The `# key: value` lines above the table (values as text) and its rows, as text or with `parse` numbers."""
+    """The `# key: value` lines above the table (values as text) and its rows, with `parse` numbers parsed."""
     meta: dict[str, str] = {}
     lines: list[str] = []
     with open(path, newline="") as f:
@@ -74,8 +67,7 @@ def decoded(meta: Mapping[str, str]) -> dict[str, Any]:
 
 
 def records(cls: type, rows: Iterable[Mapping[str, str]]) -> list:
-    """Text rows as instances of the dataclass `cls`, each field cast by its annotation (str, int, float, bool);
-    a column an older CSV lacks takes the field's default."""
+    """Text rows as dataclass `cls`, fields cast by annotation; a column an older CSV lacks takes the default."""
     casts = {"str": str, "int": int, "float": float, "bool": lambda v: v in ("1", "true", "True")}
     fields = [f for f in dataclasses.fields(cls) if f.init]
     return [cls(**{f.name: casts[str(f.type)](r[f.name]) for f in fields if r.get(f.name) is not None})

@@ -1,11 +1,6 @@
-"""`python -m nanoserve bench decode`: decode tok/s on the weights as shipped, beside fp32 and llama.cpp (Day 25).
-
-Batch 1 at each of `--contexts`: nanoserve on fp32, on the GGUF's blocks (one compiled call a step), the same on
-the Python forward (`nanoserve-py`), transformers, and llama.cpp on the same GGUF (llama-cpp-python, optional);
-and each of `--batch-sizes` at the first context, fp32 beside the blocks. `--activations fp32 int8` adds the blocks
-on int8 activations (llama.cpp's product) beside them. A row's step is the median decode step
-after a prompt of prose, median over rounds; beside it tok/s, weight GB/s, and same-run ratios.
-"""
+"""`python -m nanoserve bench decode`: decode tok/s on the weights as shipped, beside fp32 and llama.cpp (Day 25):
+batch 1 at each of `--contexts` and each of `--batch-sizes` at the first, the median decode step after a prompt of
+prose, median over rounds; beside it tok/s, weight GB/s, and same-run ratios."""
 
 from __future__ import annotations
 
@@ -27,10 +22,9 @@ from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
 from ..model.fetch import default_model_dir, download_gguf
-from ..sampling import SamplingParams
 from . import csvio
 from .command import common_arguments, csv_header, report, start
-from .harness import load_hf_model, time_hf_generate, time_model_batch
+from .harness import decode_records, greedy, load_hf_model, time_hf_generate, time_model_batch
 from .harness import prose as prompt_of  # n tokens of prose: every row's prompt
 from .roofline import measure_bandwidth
 from .timing import rounds
@@ -40,8 +34,6 @@ CSV_PATH = "data/bench-decode.csv"
 
 @dataclass(frozen=True)
 class DecodeRow:
-    """One configuration's measurement and what it means. Ratios are tok/s over tok/s, same run."""
-
     engine: str  # nanoserve, nanoserve-py (blocks on the Python forward), nanoserve-engine, transformers, llama.cpp
     weights: str  # fp32, or gguf (the file's Q4_1/Q8_0 blocks)
     batch: int
@@ -58,8 +50,7 @@ class DecodeRow:
 
 def make_rows(steps: dict[tuple[str, str, int, int], float], weight_bytes: dict[tuple[str, str], float],
               bandwidth: float) -> list[DecodeRow]:
-    """Rows from median step seconds keyed (engine, weights, batch, context), and each engine's weight bytes; weights
-    "gguf+int8" are the blocks on int8 activations."""
+    """Rows from median step seconds keyed (engine, weights, batch, context) ("gguf+int8": on int8 activations)."""
     tok_s = lambda key: key[2] / steps[key] if key in steps else float("nan")
     rows = []
     for (engine, weights, batch, context), s in steps.items():
@@ -72,8 +63,7 @@ def make_rows(steps: dict[tuple[str, str, int, int], float], weight_bytes: dict[
 
 
 def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
-    """nanoserve's tok/s per weights ("fp32", "gguf", and "gguf+int8" where measured) per batch size at the smallest
-    context measured: where the curves cross says which weights to serve at which batch size."""
+    """nanoserve's tok/s per weights ("fp32", "gguf", "gguf+int8") per batch size at the smallest context."""
     mine = [r for r in rows if r.engine == "nanoserve"]
     ctx = min(r.context for r in mine)
     out: dict[str, dict[int, float]] = {}
@@ -86,28 +76,22 @@ def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
 
 def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
                    compiled_step: bool | None = None) -> float:
-    """Median decode step (s) of a static batch of `batch` copies of the prompt (`compiled_step=False`: on the
-    Python forward, for a model on blocks)."""
+    """Median decode step (s) of `batch` copies of the prompt (`compiled_step=False`: the Python forward)."""
     timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled_step=compiled_step)
     return timing.median_step_s
 
 
 def time_generate(model: Llama, prompt: Sequence[int], steps: int) -> float:
-    """Median decode step (s) of `generate`'s road: one request in the engine sized for it, every step's
-    scheduling, sampling and bookkeeping included."""
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    """Median decode step (s) of `generate`'s road: one request in an engine, scheduling and sampling included."""
+    params = greedy(steps + 1)
     engine = one_request_engine(model, None, len(prompt), params)
-    engine.add_request(list(prompt), params)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return statistics.median(r.total_s for r in engine.history if r.num_prefill_tokens == 0)
+    return statistics.median(r.total_s for r in decode_records(engine, [list(prompt)], [params]))
 
 
 def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
                      ) -> tuple[Callable[[Sequence[int], int], float] | None, str]:
-    """(prompt, steps) -> llama.cpp's median batch-1 decode step (s) on the GGUF, tried once on `probe`, and the
-    CSV's note on it (None and why where it cannot run here). Each call runs in a child process, so a llama.cpp
-    that crashes costs its row, not the run."""
+    """(prompt, steps) -> llama.cpp's median batch-1 decode step (s) on the GGUF, each in a child process (a crash
+    costs a row, not the run), tried once on `probe`; and the CSV's note (None and why where it cannot run)."""
     try:
         import llama_cpp
     except ImportError:
@@ -130,8 +114,7 @@ def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
 
 
 def _llama_cpp_child() -> None:
-    """In a child process: the prompt through llama.cpp, then `steps` greedy decode steps one token at a time
-    (llama_decode, argmax of its logits); prints the median step in seconds."""
+    """In the child: the prompt, then `steps` greedy steps of one token; prints the median step (s)."""
     import llama_cpp
     import numpy as np
 

@@ -1,9 +1,6 @@
-"""`python -m nanoserve bench engine`: the scheduled engine against static batching and transformers (Days 30-35).
-
-32 ragged requests at once (`harness.ragged_workload`) through each of SYSTEMS in turn, and with `--uniform` a
-workload static batching wastes nothing on. Useful tok/s is the tokens asked for over the wall time; a request's
-latency runs to when it is handed back (a static batch hands back every row with its longest).
-"""
+"""`python -m nanoserve bench engine`: the scheduled engine against static batching and transformers (Days 30-35),
+on 32 ragged requests at once (and with `--uniform` a workload static batching wastes nothing on). Useful tok/s is
+the tokens asked for over the wall time; latency runs to when a request is handed back."""
 
 from __future__ import annotations
 
@@ -33,8 +30,6 @@ SYSTEMS = ("nanoserve-engine", "nanoserve-static-32", "nanoserve-static-8", "tra
 
 @dataclass
 class SystemRun:
-    """One system on one workload: when each request was handed back (seconds from the start), its tokens."""
-
     system: str
     workload: str
     latency_s: list[float]
@@ -44,7 +39,6 @@ class SystemRun:
 
 def run_engine(model: Llama, w: Workload, config: EngineConfig | SchedulerConfig | None = None,
                ) -> tuple[SystemRun, LLMEngine]:
-    """Every request added at once to one LLMEngine, stepped until all are done."""
     engine = LLMEngine(model, config=engine_config(config))
     t0, reqs = run_requests(engine, w.prompts, [greedy(n) for n in w.max_tokens])
     return SystemRun("nanoserve-engine", w.name, [r.finish_time - t0 for r in reqs],
@@ -61,18 +55,17 @@ def _batches(w: Workload, size: int, system: str, run: Callable[[list, list], li
 
 
 def run_static(model: Llama, w: Workload, batch_size: int) -> SystemRun:
-    """Day 29's greedy_generate_batch on batches of `batch_size`."""
     return _batches(w, batch_size, f"nanoserve-static-{batch_size}", lambda p, n: greedy_generate_batch(model, p, n))
 
 
 def run_hf_static(hf_model, w: Workload, batch_size: int = 8) -> SystemRun:
-    """transformers' generate on batches of `batch_size`, each run to its longest request (one max_new_tokens)."""
+    """transformers' generate on batches of `batch_size`, each run to its longest request."""
     return _batches(w, batch_size, f"transformers-static-{batch_size}",
                     lambda ps, ns: [row[:n] for row, n in zip(hf_generate(hf_model, ps, max(ns))[2], ns)])
 
 
 def run_hf_continuous(hf_model, w: Workload) -> SystemRun:
-    """transformers' continuous batching manager, every request added at once with its own max_new_tokens."""
+    """transformers' continuous batching manager, every request at once."""
     manager = start_hf_manager(hf_model, w)
     try:
         r = replay_hf_continuous(manager, w, [0.0] * len(w.prompts))
@@ -85,8 +78,6 @@ def run_hf_continuous(hf_model, w: Workload) -> SystemRun:
 
 @dataclass(frozen=True)
 class SystemSummary:
-    """One system on one workload: its useful tokens, wall time and latency percentiles."""
-
     system: str
     workload: str
     useful_tokens: int
@@ -100,7 +91,7 @@ class SystemSummary:
 
 
 def summarize(rows: Sequence[dict]) -> list[SystemSummary]:
-    """Per (workload, system) of the CSV's rows, in the order they first appear: useful tokens, wall, latency."""
+    """Per (workload, system) of the CSV's rows, in order: useful tokens, wall time, latency percentiles."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         groups.setdefault((r["workload"], r["system"]), []).append(r)
@@ -110,7 +101,7 @@ def summarize(rows: Sequence[dict]) -> list[SystemSummary]:
 
 
 def overhead(engine: LLMEngine, min_requests: int) -> dict[str, float]:
-    """Host time outside the forward and the step's time, medians over the steps of >= min_requests requests."""
+    """Host time outside the forward and the step's, medians over steps of >= min_requests requests."""
     steps = [s for s in engine.history if s.num_requests >= min_requests] or list(engine.history)
     return dict(steps=len(steps), min_requests=min_requests,
                 overhead_ms=statistics.median(s.overhead_s for s in steps) * 1e3,
@@ -119,7 +110,6 @@ def overhead(engine: LLMEngine, min_requests: int) -> dict[str, float]:
 
 
 def agreement(a: SystemRun, b: SystemRun) -> int:
-    """Requests whose tokens agree in full between two runs."""
     return sum(x == y for x, y in zip(a.tokens, b.tokens))
 
 

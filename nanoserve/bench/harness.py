@@ -1,8 +1,5 @@
-"""The harness: the real model, the workloads the commands run, and what they time, as closures (Day 26). It
-builds what generation builds (a `StaticBatch`, an `LLMEngine`) and hands the stdlib core its steps, so what is
-timed is the loop generation runs and the tokens collected are its tokens; transformers' `generate` is the
-reference (imported only where used).
-"""
+"""The real model, the workloads the commands run, and what they time, as closures (Day 26): what is timed is
+the loop generation runs (a `StaticBatch`, an `LLMEngine`); transformers' `generate` is the reference."""
 
 from __future__ import annotations
 
@@ -30,12 +27,13 @@ from .timing import DEFAULT_CLOCK, Clock
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32)
 BLOCKING_LENS = (4,) * 7 + (32,)  # Day 29's blocking run: seven rows of 4 tokens behind one of 32
 
+# one prompt per row of the blocking run; the sweep replicates the first
 PROMPTS = ("The capital of France is", "Write a haiku about the sea.", "What is two plus two?",
            "Name three colors of the rainbow.", "Once upon a time, in a small village by the river,",
            "Explain in one sentence why the sky is blue.", "List the days of the week:",
            "A recipe for pancakes needs flour, eggs and")
-"""Eight short prompts, one per row of the blocking run; the sweep replicates the first."""
 
+# long prompts are cut from it, repeated: ordinary prose, not one token over and over
 PASSAGE = ("The lighthouse on the northern cape was built in 1858 from granite quarried on the island itself. "
            "For ninety years a keeper climbed its one hundred and twelve steps every evening to light the lamp, "
            "wind the clockwork that turned the lens, and write the weather in a log that still survives. "
@@ -43,19 +41,16 @@ PASSAGE = ("The lighthouse on the northern cape was built in 1858 from granite q
            "seconds, and the keepers' families grew vegetables in the lee of the tower where the wind could not "
            "reach them. When the light was automated the last keeper left a note in the log: the lamp is clean, "
            "the stairs are swept, and the gulls are fed. ")
-"""The text long prompts are cut from (repeated as needed): ordinary prose, not a repeated token."""
 
 
 def prose(tok: Tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
-    """n_tokens of PASSAGE repeated, from token `offset` on: a prompt of ordinary text."""
+    """n_tokens of PASSAGE repeated, from token `offset` on."""
     ids = tok.encode(PASSAGE * ((offset + n_tokens) // 50 + 2), add_special_tokens=False)
     return ids[offset:offset + n_tokens]
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests as (prompt ids, tokens to generate)."""
-
     name: str
     prompts: list[list[int]]
     max_tokens: list[int]
@@ -65,15 +60,15 @@ class Workload:
         return sum(self.max_tokens)
 
     def flops(self, cfg: ModelConfig) -> float:
-        """FLOPs of the useful work: each prompt once (its prefill gives the first token), then each token once."""
+        """FLOPs of the useful work: each prompt once (giving the first token), then each later token once."""
         return sum(forward_flops(cfg, len(p)) + sum(forward_flops(cfg, 1, len(p) + j) for j in range(n - 1))
                    for p, n in zip(self.prompts, self.max_tokens))
 
 
 def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] = (20, 300),
                     output_range: tuple[int, int] = (8, 128), seed: int = 0) -> Workload:
-    """n requests, prompt and output lengths uniform in their ranges (EOS to be ignored: the length is the
-    request's); prompt i starts at its own offset into the passage, so no two share a first block."""
+    """n requests, prompt and output lengths uniform in their ranges, each prompt from its own offset into the
+    passage (no two share a first block)."""
     rng = random.Random(seed)
     offsets = rng.sample(range(len(tok.encode(PASSAGE, add_special_tokens=False))), n)
     prompts = [prose(tok, rng.randint(*prompt_range), o) for o in offsets]
@@ -82,7 +77,7 @@ def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] =
 
 def uniform_workload(tok: Tokenizer, n: int = 32, prompt_tokens: int = 160, max_tokens: int = 68,
                      seed: int = 0) -> Workload:
-    """n requests of one prompt length and one output length: the case static batching wastes nothing on."""
+    """n requests of one prompt and output length: static batching wastes nothing on them."""
     return replace(ragged_workload(tok, n, (prompt_tokens, prompt_tokens), (max_tokens, max_tokens), seed),
                    name="uniform")
 
@@ -94,8 +89,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                  arrivals: Sequence[float] | None = None) -> tuple[float, list[Request]]:
-    """Add request i when arrivals[i] seconds have passed (default: all at once), step while any is unfinished,
-    sleep otherwise. Returns the clock at the start and the requests, taken out of the engine."""
+    """Add request i once arrivals[i] seconds have passed (default: all at once), step while any is unfinished;
+    the clock at the start and the requests, taken out of the engine."""
     clock, arrivals = engine.clock, arrivals if arrivals is not None else [0.0] * len(prompts)
     t0, ids = clock(), []
     while len(ids) < len(prompts) or engine.has_unfinished_requests():
@@ -106,6 +101,12 @@ def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Se
         elif len(ids) < len(prompts):
             time.sleep(max(0.0, arrivals[len(ids)] - (clock() - t0)))
     return t0, [engine.requests.pop(i) for i in ids]
+
+
+def decode_records(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
+    """The requests run to the end, all at once; the StepRecords of the engine's decode steps."""
+    run_requests(engine, prompts, params)
+    return [r for r in engine.history if r.num_prefill_tokens == 0]
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
@@ -152,8 +153,6 @@ def time_engine_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps
 
 @dataclass
 class Sweep:
-    """Uniform batches (every issued token useful), one BatchTiming per batch size."""
-
     timings: dict[int, BatchTiming]
     tokens: dict[int, list[list[int]]] = field(repr=False)
 
@@ -166,8 +165,7 @@ class Sweep:
 def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence[int] = SWEEP_SIZES,
                       steps: int = 32, warmup: bool = True, clock: Clock = DEFAULT_CLOCK,
                       kernels: bool | None = None) -> Sweep:
-    """Throughput against batch size: `prompt` replicated B times, every row decoding `steps` steps (after a short
-    untimed run of the same shape with `warmup`, so allocator growth is not in the first timed step)."""
+    """`prompt` replicated B times, every row `steps` steps, per B (`warmup`: an untimed short run first)."""
     timings, tokens = {}, {}
     for b in batch_sizes:
         if warmup:
@@ -177,7 +175,7 @@ def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence
 
 
 def load_hf_model(folder: str | Path):
-    """transformers' model on the same checkpoint folder, imported only when asked for."""
+    """transformers' model on the same checkpoint folder."""
     try:
         import transformers
     except ImportError as e:
@@ -187,9 +185,8 @@ def load_hf_model(folder: str | Path):
 
 def hf_generate(hf_model, prompts: Sequence[Sequence[int]], new_tokens: int, clock: Clock = DEFAULT_CLOCK,
                 pad_id: int = 0) -> tuple[float, list[float], list[list[int]]]:
-    """transformers' `generate` on one batch, greedy, EOS off, left-padded: exactly `new_tokens` per row. Returns
-    the clock at the start, a reading each time it has new logits (after the prefill, then each step: forward plus
-    the loop's bookkeeping, as `StaticBatch.step` is timed), and each row's tokens."""
+    """transformers' `generate` on one batch, greedy, EOS off, left-padded, `new_tokens` per row: the clock at the
+    start, a reading whenever it has new logits (as `StaticBatch.step` is timed), each row's tokens."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     stamps: list[float] = []
@@ -214,7 +211,7 @@ def hf_generate(hf_model, prompts: Sequence[Sequence[int]], new_tokens: int, clo
 
 def time_hf_generate(hf_model, prompts: Sequence[Sequence[int]], steps: int, clock: Clock = DEFAULT_CLOCK,
                      pad_id: int = 0) -> tuple[BatchTiming, list[list[int]]]:
-    """`hf_generate` as one static batch's BatchTiming: the prefill, then `steps` decode steps."""
+    """`hf_generate` as a BatchTiming of `steps` decode steps."""
     start, stamps, tokens = hf_generate(hf_model, prompts, steps + 1, clock, pad_id)
     step_s = [b - a for a, b in zip(stamps, stamps[1:])]
     return BatchTiming(prefill_s=stamps[0] - start, step_s=step_s, row_steps=[steps] * len(prompts)), tokens

@@ -1,11 +1,6 @@
-"""`python -m nanoserve bench outputs`: what log-probabilities and structured outputs cost a decode step (Day 41).
-
-The same B requests decode the same prompts through the engine, once plain (greedy), once asking for each
-token's log-probabilities (`logprobs=5`), once constrained to a JSON schema (a grammar's mask filled and
-applied every step), and once half constrained, half free; modes interleaved round by round. Per mode: the
-median decode step and the part of it after the forward (sampling, masks, log-softmax, bookkeeping), and
-their ratio to plain's in the same round, at each batch size.
-"""
+"""`python -m nanoserve bench outputs`: what log-probabilities and structured outputs cost a decode step (Day 41):
+B requests decode plain, with `logprobs=5`, constrained to a JSON schema, and half constrained, modes interleaved;
+per mode the median step, its part after the forward, and its ratio to plain's in the same round."""
 
 from __future__ import annotations
 
@@ -20,12 +15,12 @@ from ..structured import StructuredOutputsParams
 from ..tokenizer import Tokenizer
 from .command import common_arguments, csv_header, report, start
 from .csvio import write_csv
-from .harness import prose
+from .harness import decode_records, prose
 
+# output mostly free text inside a string: a long run of ordinary steps under a mask
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
                                            "text": {"type": "string", "minLength": 400, "maxLength": 2000}},
           "required": ["title", "text"], "additionalProperties": False}
-"""A schema whose output is mostly free text inside a string: a long run of ordinary steps under a mask."""
 
 MODES = ("plain", "logprobs", "json", "half-json")
 
@@ -41,13 +36,10 @@ def params_for(mode: str, i: int, steps: int) -> SamplingParams:
 
 
 def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int) -> list:
-    """One engine, every prompt at once; the StepRecords of its decode steps (the prefill's step left out)."""
+    """One engine, every prompt at once; its decode steps' StepRecords."""
     engine = LLMEngine(model, tok, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)) + 64)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params_for(mode, i, steps))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    recs = decode_records(engine, prompts, [params_for(mode, i, steps) for i in range(len(prompts))])
+    return [r for r in recs if r.num_requests == len(prompts)]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,9 +1,6 @@
-"""`python -m nanoserve bench paged`: paged vs contiguous decode (Day 20), what the reference gather costs.
-
-Interleaved sample by sample: `step`, a whole decode step of the real model through each road's session, and
-`read`, one layer's attention read alone. The caches hold random K/V (a step's cost does not depend on values),
-the paged copy in blocks from a shuffled free list (a pool that has served many requests).
-"""
+"""`python -m nanoserve bench paged`: paged vs contiguous decode (Day 20), interleaved: `step`, a whole decode
+step of the real model, and `read`, one layer's attention read, on random K/V (a step's cost does not depend on
+values), the paged copy in blocks from a shuffled free list."""
 
 from __future__ import annotations
 
@@ -34,8 +31,6 @@ FIELDS = ["measure", "context", "block_size", "contiguous_ms", "paged_ms", "rati
 
 @dataclass(frozen=True)
 class Comparison:
-    """One measure ("step" or "read") at one context and block size: contiguous and paged samples (seconds)."""
-
     measure: str
     context: int
     block_size: int
@@ -44,7 +39,6 @@ class Comparison:
 
     @property
     def ratio(self) -> float:
-        """Median paged / median contiguous: 1.0 means the gather is free."""
         return self.paged.median / self.contiguous.median
 
     def row(self) -> dict[str, object]:
@@ -54,7 +48,7 @@ class Comparison:
 
 
 def contiguous_at(model: Llama, context: int, room: int, seed: int = 0) -> CachedSession:
-    """A contiguous session holding `context` positions of random K/V, with `room` more to decode into."""
+    """A contiguous session holding `context` positions of random K/V, `room` more to decode into."""
     session, g = CachedSession(model, context + room), torch.Generator().manual_seed(seed)
     for t in (session.cache.k, session.cache.v):
         t.copy_(torch.randn(t.shape, generator=g))
@@ -63,8 +57,7 @@ def contiguous_at(model: Llama, context: int, room: int, seed: int = 0) -> Cache
 
 
 def paged_like(model: Llama, contiguous: CachedSession, block_size: int, room: int, seed: int = 0) -> PagedSession:
-    """A paged session (reading through the gather) holding the K/V of `contiguous`, written through the write path
-    into blocks drawn from a shuffled free list."""
+    """A paged session (reading through the gather) holding `contiguous`'s K/V in blocks from a shuffled list."""
     n = contiguous.cache.length
     session = paged_session(model, n + room, block_size, attention="reference")
     random.Random(seed).shuffle(session.manager.pool.free_list)
@@ -104,7 +97,6 @@ def measure_context(model: Llama, context: int, block_sizes: Sequence[int], step
 def run_sweep(model: Llama, contexts: Sequence[int] = (128, 256, 512, 1024, 2048, 4096),
               block_sizes: Sequence[int] = (16, 256), step_repeats: int = 15, read_repeats: int = 60,
               log: Callable[[str], None] | None = print, clock: Clock = DEFAULT_CLOCK) -> list[Comparison]:
-    """The whole sweep; logs one `[time]` line per comparison as it goes."""
     rows = []
     for context in contexts:
         for c in measure_context(model, context, block_sizes, step_repeats, read_repeats, clock=clock):
@@ -117,8 +109,6 @@ def run_sweep(model: Llama, contexts: Sequence[int] = (128, 256, 512, 1024, 2048
 
 @dataclass(frozen=True)
 class UsagePoint:
-    """Memory at one decode step of a served workload: tokens held vs slots each cache has set aside."""
-
     step: int
     running: int
     tokens: int  # K/V positions the running requests actually hold

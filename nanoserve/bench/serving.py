@@ -1,9 +1,5 @@
-"""Requests that arrive over time, and the serving metrics vLLM reports for them (stdlib only, like `timing`).
-
-Arrivals follow vLLM's `benchmark_serving.py`: gamma gaps of mean 1/rate and shape `burstiness` (1: Poisson;
-below 1 clumps, above 1 more even; rate inf: all at once). Per request from its arrival: TTFT, TPOT, ITL and E2E;
-over the run, first arrival to last completion: requests/s, output tokens/s, and goodput (requests/s within SLO).
-"""
+"""Requests that arrive over time, and vLLM's serving metrics for them (stdlib only): arrivals as in vLLM's
+`benchmark_serving.py`, gamma gaps of mean 1/rate and shape `burstiness` (1: Poisson; rate inf: all at once)."""
 
 from __future__ import annotations
 
@@ -46,7 +42,7 @@ class SLO:
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0-100), linear between order statistics: numpy's default, as vLLM reports."""
+    """The p-th percentile (0-100), linear between order statistics (numpy's default, as vLLM reports)."""
     if not values:
         return math.nan
     s = sorted(values)
@@ -55,14 +51,14 @@ def percentile(values: Sequence[float], p: float) -> float:
     return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
 
 
-def _stats(values: Sequence[float]) -> dict[str, float]:
+def _stats(values: Sequence[float]) -> dict[str, float]:  # the mean and PERCENTILES
     return {"mean": sum(values) / len(values) if values else math.nan,
             **{f"p{p}": percentile(values, p) for p in PERCENTILES}}
 
 
 @dataclass(frozen=True)
 class ServingMetrics:
-    """One run's summary: counts, throughputs, goodput, and the latency distributions (seconds)."""
+    """One run, first arrival to last completion: counts, throughputs, goodput, latency distributions (s)."""
 
     completed: int
     duration_s: float
@@ -82,12 +78,11 @@ class ServingMetrics:
         return self.output_tokens / self.duration_s
 
     @property
-    def goodput(self) -> float:
-        """Requests per second that met every SLO."""
+    def goodput(self) -> float:  # requests per second that met every SLO
         return self.good / self.duration_s
 
     def row(self) -> dict[str, float]:
-        """A flat dict for a CSV or a table: ttft_p50, tpot_p99, ..."""
+        """A flat dict for a CSV: completed, ..., ttft_p50, tpot_p99, ..."""
         out: dict[str, float] = dict(completed=self.completed, duration_s=self.duration_s,
                                      output_tokens=self.output_tokens, good=self.good,
                                      request_throughput=self.request_throughput,

@@ -1,11 +1,5 @@
-"""`python -m nanoserve bench shared`: one request's decode with and without another busy process on the cores.
-
-A user's machine is rarely the engine's alone. The same request (a prompt of a few hundred tokens, greedy)
-decodes through the engine under each thread setting (torch's two threads, one thread, and `threads="auto"`,
-the engine's `ThreadPolicy`), once on a quiet machine and once beside a process that keeps one core busy (a
-Python loop, as any CPU-bound neighbour would); settings and conditions interleaved round by round. Per
-setting: the median decode step, quiet and busy, and busy's slowdown over quiet in the same round.
-"""
+"""`python -m nanoserve bench shared`: one request's decode under each thread setting (SETTINGS, "auto" the engine's
+`ThreadPolicy`) on a quiet machine and beside a process keeping one core busy, interleaved round by round."""
 
 from __future__ import annotations
 
@@ -21,22 +15,18 @@ import torch
 from ..engine import LLMEngine
 from ..loader import load
 from ..model import Llama
-from ..sampling import SamplingParams
 from .command import common_arguments, csv_header, report, start
 from .csvio import write_csv
-from .harness import prose
+from .harness import decode_records, greedy, prose
 
 SETTINGS = {"2 threads": 2, "1 thread": 1, "auto": "auto"}
 
 
 def decode_step_s(model: Llama, prompt: list[int], threads: int | str, steps: int) -> float:
-    """The median decode step (s) of one greedy request alone in an engine run on `threads`."""
+    """The median decode step (s) of one greedy request alone in an engine on `threads`."""
     engine = LLMEngine(model, threads=threads)
     time.sleep(0.6)  # auto's policy looks every 0.5 s: its first look sees the machine as a long-lived server would
-    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    return statistics.median(r.total_s for r in engine.history if r.num_prefill_tokens == 0)
+    return statistics.median(r.total_s for r in decode_records(engine, [prompt], [greedy(steps + 1)]))
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,9 +1,6 @@
-"""Single-stream benchmarks (Days 11 and 13): `python -m nanoserve bench single|layout`.
-
-`single` times one request at a time on four roads (ENGINES), interleaved in the same run: prefill is prompt
-tokens / TTFT, decode 1 / TPOT, medians over repeats, beside the batch-1 roofline limit measured in the same run.
-`layout` measures how fast each candidate layout and call streams a batch-1 decode step's weights.
-"""
+"""`python -m nanoserve bench single|layout` (Days 11, 13): `single` times one request at a time on the four
+ENGINES, interleaved, beside the batch-1 roofline limit measured in the same run; `layout` how fast each candidate
+layout and call streams a batch-1 decode step's weights."""
 
 from __future__ import annotations
 
@@ -48,22 +45,20 @@ def timed_greedy(model: Llama, prompt_ids: list[int], new_tokens: int, session: 
 
 
 def time_nanoserve(model: Llama, prompt_ids: list[int], new_tokens: int, engine: str = "nanoserve") -> RequestTiming:
-    """One request on one of nanoserve's roads (ENGINES): the engine as `generate` runs it, Day 13's contiguous
-    cache, or Day 08's recomputation of the whole sequence every step."""
+    """One request on one of nanoserve's roads: `generate`'s engine, Day 13's cache, or Day 08's no cache."""
     session = {"nanoserve": lambda: None, "nanoserve-nocache": lambda: NoCacheSession(model),
                "nanoserve-contiguous": lambda: CachedSession(model, len(prompt_ids) + new_tokens)}[engine]()
     return timed_greedy(model, prompt_ids, new_tokens, session)[1]
 
 
 def time_transformers(hf_model, prompt_ids: list[int], new_tokens: int, clock: Clock = DEFAULT_CLOCK) -> RequestTiming:
-    """transformers' generate (greedy, its own KV cache), exactly `new_tokens`, a clock reading per token."""
+    """transformers' generate, greedy, exactly `new_tokens`, a clock reading per token."""
     start, stamps, _ = hf_generate(hf_model, [prompt_ids], new_tokens, clock)
     return RequestTiming(start, tuple(stamps), clock())
 
 
 def forward_sweep(model: Llama, lengths: list[int], repeats: int = 3) -> list[dict]:
-    """One forward of T prompt tokens (last-position logits) per T: prefill's cost curve; T = 1 streams every
-    weight for one token. The achieved FLOP/s and weight GB/s say which roof each T is under."""
+    """One forward of T prompt tokens per T: prefill's cost curve, its FLOP/s and weight GB/s (which roof)."""
     rows, g = [], torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for T in lengths:
@@ -77,8 +72,6 @@ def forward_sweep(model: Llama, lengths: list[int], repeats: int = 3) -> list[di
 
 @dataclass
 class SingleRun:
-    """One request on one road: its context, tokens, repeat, TTFT and TPOT."""
-
     engine: str
     context: int
     new_tokens: int
@@ -97,8 +90,7 @@ class SingleRun:
 
 def run_single(model: Llama, hf_model, contexts: list[int], new_tokens: int, repeats: int,
                nocache_tokens: int, seed: int = 0) -> list[SingleRun]:
-    """Every (context, repeat) runs the roads back to back, so drifts in machine load hit all of them; the slow
-    no-cache road runs `nocache_tokens` tokens, once (its cost is not in doubt)."""
+    """The roads back to back per (context, repeat), so drifting load hits all; the slow no-cache road once."""
     warm = list(range(100, 116))  # untimed: first calls pay one-off costs (allocator, BLAS setup)
     for engine in ENGINES[:-1]:
         time_nanoserve(model, warm, 2, engine)
@@ -117,8 +109,8 @@ def run_single(model: Llama, hf_model, contexts: list[int], new_tokens: int, rep
 
 
 def summarize_single(rows: list[SingleRun], limit_tok_s: float) -> list[dict]:
-    """Medians per (engine, context), their ratios to transformers (of the medians, and the median of each
-    repeat's paired ratio, which shrugs off load that drifts between repeats), and to the roofline's limit."""
+    """Medians per (engine, context), their ratios to transformers (of the medians, and the median of paired
+    per-repeat ratios, which shrug off drifting load) and to the roofline's limit."""
     out = []
     for context in sorted({r.context for r in rows}):
         hf = {r.repeat: r for r in rows if r.engine == "transformers" and r.context == context}
@@ -159,7 +151,7 @@ if not ONEDNN:
 
 
 def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
-    """The (out, in) matrices one decode step reads, grouped; fused and split forms of q/k/v, gate/up."""
+    """The (out, in) matrices one decode step reads, grouped, q/k/v and gate/up fused and split."""
     C, D, L = cfg.hidden_size, cfg.head_dim, cfg.n_layers
     H, K, Fi = cfg.n_heads * D, cfg.n_kv_heads * D, cfg.intermediate_size
     return {"qkv fused": [(H + 2 * K, C)] * L, "q, k, v split": [(H, C), (K, C), (K, C)] * L, "o": [(C, H)] * L,
@@ -169,8 +161,8 @@ def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
 
 def layout_rates(cfg: ModelConfig | None = None, repeats: int = 9, groups: list[str] | None = None,
                  candidates: list[str] | None = None) -> list[dict]:
-    """GB/s of weight streamed per candidate and group, median of repeats, candidates interleaved, each call
-    timed warm. Random weights of the model's shapes: a matrix-vector product's speed does not depend on values."""
+    """Weight GB/s per candidate and group, candidates interleaved and warm, on random weights of the model's
+    shapes (a product's speed does not depend on values)."""
     all_groups, g, rows = layout_groups(cfg or ModelConfig()), torch.Generator().manual_seed(0), []
     with torch.inference_mode():
         for group in groups or list(all_groups):
@@ -198,7 +190,6 @@ def add_layout_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    """`python -m nanoserve bench single`, or `bench layout` (args.what)."""
     loaded = start(args, model=args.what == "single")
     rounded = lambda rows: [{k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     folder = Path(args.model) if args.model else ensure_model()

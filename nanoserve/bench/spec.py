@@ -1,10 +1,6 @@
-"""`python -m nanoserve bench spec`: prompt-lookup speculative decoding against plain decoding (Day 40).
-
-Two tasks, greedy: `copy` (the answer copies a paragraph with small edits) and `chat` (answers that copy little).
-At each `--concurrency` c a task's prompts run c at a time through one engine, plain and with each `--k` drafts,
-interleaved; a request's decode tok/s is (tokens - 1) / (last token's time - first's), and every run's tokens are
-compared with plain greedy's. Beside it: one forward of m query rows (m = k + 1 verifies k drafts) over one row's.
-"""
+"""`python -m nanoserve bench spec`: prompt-lookup speculative decoding against plain decoding (Day 40), greedy,
+on `copy` (answers that copy the prompt) and `chat` tasks, each `--concurrency` at a time, plain and with each `--k`
+interleaved; every run's tokens compared with plain's. Beside it: one forward of m query rows over one row's."""
 
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ RIVER = ("The river starts high in the mountians, where snow melts each spring a
 CODE = ("def mean(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n    return total / len(xs)\n\n"
         "def variance(xs):\n    m = mean(xs)\n    total = 0\n    for x in xs:\n        total = total + (x - m) ** 2\n"
         "    return total / len(xs)\n")
-TASKS: dict[str, list[str]] = {
+TASKS: dict[str, list[str]] = {  # task -> user messages, each sent alone in the chat template
     "copy": [
         "Repeat the following paragraph, correcting its spelling mistakes:\n\n" + MISSPELT,
         "Correct the spelling in this text and write it out again:\n\n" + RIVER,
@@ -50,13 +46,10 @@ TASKS: dict[str, list[str]] = {
         "What should I pack for a weekend hiking trip?",
     ],
 }
-"""task -> user messages, each sent alone in the chat template."""
 
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One request of one run: its prompt, method and concurrency, what it produced, its forwards and time."""
-
     round: int
     task: str
     prompt: int
@@ -74,8 +67,6 @@ class RunRecord:
 
 @dataclass(frozen=True)
 class ForwardTiming:
-    """One forward of `rows` query rows after `context` cached tokens."""
-
     round: int
     rows: int
     context: int
@@ -83,7 +74,7 @@ class ForwardTiming:
 
 
 def with_drafts(config: EngineConfig | None, k: int) -> EngineConfig:
-    """`config` with k prompt-lookup drafts per step (k = 0: plain decoding), its lookup sizes or the defaults."""
+    """`config` with k prompt-lookup drafts per step (k = 0: plain decoding)."""
     config = engine_config(config)
     if not k:
         return replace(config, speculative=None)
@@ -93,8 +84,8 @@ def with_drafts(config: EngineConfig | None, k: int) -> EngineConfig:
 def run_group(model: Llama, prompts: Sequence[list[int]], max_tokens: int, k: int,
               config: EngineConfig | None = None, clock: Callable[[], float] = time.perf_counter,
               ) -> list[tuple[list[int], int, int, int, float]]:
-    """The prompts as requests running together through one engine, greedy, plain (k=0) or with k drafts. Per
-    request: (tokens, forwards after its prefill, drafts proposed, accepted, seconds from first token to last)."""
+    """The prompts together through one engine, greedy; per request: (tokens, forwards after its prefill, drafts
+    proposed, accepted, seconds from first token to last)."""
     engine = LLMEngine(model, config=with_drafts(config, k), clock=clock)
     _, reqs = run_requests(engine, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts))
     prompt_len = {r.seq_id: r.num_prompt_tokens for r in reqs}
@@ -105,7 +96,6 @@ def run_group(model: Llama, prompts: Sequence[list[int]], max_tokens: int, k: in
 
 def run_once(model: Llama, ids: list[int], max_tokens: int, k: int, config: EngineConfig | None = None,
              clock: Callable[[], float] = time.perf_counter) -> tuple[list[int], int, int, int, float]:
-    """One request alone: `run_group` of one."""
     return run_group(model, [ids], max_tokens, k, config, clock)[0]
 
 
@@ -131,10 +121,6 @@ def time_steps(model: Llama, context: int, rows: Iterable[int], reps: int,
 
 @dataclass(frozen=True)
 class SpecSummary:
-    """One task, concurrency and method over its requests: acceptance, tokens per forward, a request's decode
-    tok/s (median over rounds) and its ratio to plain decoding's at the same concurrency in the same round
-    (median over rounds), and whether every token equals plain greedy's."""
-
     task: str
     concurrency: int
     method: str
@@ -148,9 +134,9 @@ class SpecSummary:
 
 
 def summarize(records: Sequence[RunRecord]) -> list[SpecSummary]:
-    """Per task, concurrency and method: counts from the first round (every round computes the same tokens), tok/s
-    per round over the requests together, and per-round ratios to plain, each reduced to its median. Plain greedy's
-    tokens are plain's at the lowest concurrency, same round and prompt."""
+    """Per task, concurrency and method: counts from the first round, a request's decode tok/s and its ratio to
+    plain's in the same round (medians over rounds), and whether every token equals plain's at the lowest
+    concurrency."""
     out = []
     rounds = sorted({r.round for r in records})
     low = min(r.concurrency for r in records)
@@ -173,7 +159,6 @@ def summarize(records: Sequence[RunRecord]) -> list[SpecSummary]:
 
 
 def _rate(rs: Sequence[RunRecord]) -> float:
-    """A request's decode tok/s over several: their tokens after the first over their decode time (nan: none)."""
     seconds = sum(r.decode_s for r in rs)
     return sum(r.new_tokens - 1 for r in rs) / seconds if seconds else float("nan")
 
@@ -185,12 +170,10 @@ def step_costs(steps: Sequence[ForwardTiming]) -> dict[int, float]:
             for m in sorted({s.rows for s in steps})}
 
 
-RUN_FIELDS = [f.name for f in fields(RunRecord)]
-CSV_FIELDS = ["kind", *RUN_FIELDS, "rows", "context", "step_s"]
+CSV_FIELDS = ["kind", *(f.name for f in fields(RunRecord)), "rows", "context", "step_s"]
 
 
 def write_csv(path: str | Path, runs: Sequence[RunRecord], steps: Sequence[ForwardTiming], meta: dict) -> Path:
-    """One table: kind "run" rows (a request of a run) and kind "step" rows (one forward's time by query rows)."""
     rows = [{"kind": "run", **vars(r), "decode_s": f"{r.decode_s:.5f}"} for r in runs]
     rows += [{"kind": "step", "round": s.round, "rows": s.rows, "context": s.context, "step_s": f"{s.step_s:.6f}"}
              for s in steps]
@@ -198,7 +181,7 @@ def write_csv(path: str | Path, runs: Sequence[RunRecord], steps: Sequence[Forwa
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[RunRecord], list[ForwardTiming]]:
-    """A spec CSV: its header lines, its requests (concurrency 1 where an older CSV has no such column), its steps."""
+    """The header, the requests (concurrency 1 where an older CSV lacks it) and the step timings."""
     meta, rows = csvio.read_csv(path)
     runs = csvio.records(RunRecord, [r for r in rows if r["kind"] == "run"])
     return meta, runs, csvio.records(ForwardTiming, [r for r in rows if r["kind"] == "step"])
