@@ -97,15 +97,11 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
     import httpx
 
     def body(i: int, model: str) -> dict:
-        if system == "nanoserve-server":
-            return dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0,
-                        ignore_eos=True, stream=True, return_token_ids=True)
-        if system == "llama-server":
-            return dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0,
-                        ignore_eos=True, stream=True)
-        config = json.dumps(dict(do_sample=False, eos_token_id=-1, max_new_tokens=w.max_tokens[i]))
-        return dict(model=model, prompt=tok.decode(w.prompts[i]), max_tokens=w.max_tokens[i], temperature=0,
-                    stream=True, generation_config=config)
+        out = dict(model=model, prompt=w.prompts[i], max_tokens=w.max_tokens[i], temperature=0, stream=True)
+        if system == "transformers-serve":  # the prompt as text, EOS off through its generation_config
+            config = dict(do_sample=False, eos_token_id=-1, max_new_tokens=w.max_tokens[i])
+            return out | dict(prompt=tok.decode(w.prompts[i]), generation_config=json.dumps(config))
+        return out | dict(ignore_eos=True) | (dict(return_token_ids=True) if system == "nanoserve-server" else {})
 
     async def one(client, url: str, body: dict, send_at: float) -> tuple[RequestTiming, list[int]]:
         await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
