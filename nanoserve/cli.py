@@ -16,6 +16,7 @@
     bench spec     prompt-lookup speculative decoding vs plain decoding, copy-heavy and chat (Day 40)
     bench outputs  what log-probabilities and structured outputs cost a decode step (Day 41)
     bench shared   one request's decode with and without a busy neighbour process, per thread setting
+    bench numerics bf16 and int8 activations against fp32: errors, agreement, perplexity, speed (Day 42)
     serve          an OpenAI-compatible HTTP server (Day 38)
 
 Bad arguments get one line on stderr and exit code 2.
@@ -37,7 +38,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import arrivals, attention, batch, chunked, clients, decode, engine, outputs, paged, shared, single
+    from .bench import (
+        arrivals,
+        attention,
+        batch,
+        chunked,
+        clients,
+        decode,
+        engine,
+        numerics,
+        outputs,
+        paged,
+        shared,
+        single,
+    )
     from .bench import spec as spec_bench
     from .model import fetch
     from .server import serve as server
@@ -62,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
                    help="the folder's fp32 safetensors, or the GGUF's own blocks (Day 25)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="bfloat16: the folder's matrices and the K/V cache in bf16 (faster, not exact)")
     g.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
                    help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
     g.add_argument("--speculative-tokens", type=int, default=0,
@@ -84,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     spec_bench.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
     outputs.add_arguments(bsub.add_parser("outputs", help="what logprobs and structured outputs cost a step (Day 41)"))
     shared.add_arguments(bsub.add_parser("shared", help="a decode step with and without a busy neighbour process"))
+    numerics.add_arguments(bsub.add_parser("numerics", help="bf16 and int8 activations vs fp32: error, speed (Day 42)"))
     clients.add_arguments(bsub.add_parser("clients", help="llama-server's build, GuideLLM and lm-eval against serve"))
     server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap
@@ -134,7 +151,7 @@ def generate(args: argparse.Namespace) -> int:
             chosen["temperature"] = 0.0
         params = SamplingParams(**{**generation_defaults(folder), **chosen}, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop)
-        model, tok = load(folder, weights=args.weights, activations=args.activations)
+        model, tok = load(folder, dtype=args.dtype, weights=args.weights, activations=args.activations)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -13,9 +13,21 @@ from .tokenizer import Tokenizer
 
 WEIGHTS = ("fp32", "gguf")
 ACTIVATIONS = ("fp32", "int8")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def load(model_dir: str | Path | None = None, dtype: torch.dtype | None = None, pack: bool = True,
+def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
+    """A `dtype=` argument as a torch dtype: None or "float32" (the exact default), or "bfloat16"."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
+
+
+def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = None, pack: bool = True,
          weights: str = "fp32", gguf: str | Path | None = None, activations: str = "fp32") -> tuple[Llama, Tokenizer]:
     """The model and tokenizer of a checkpoint folder; with no folder, the fetched SmolLM2
     (fetched and converted on first use). `pack`: see `load_model`.
@@ -24,20 +36,24 @@ def load(model_dir: str | Path | None = None, dtype: torch.dtype | None = None, 
     where they lie: `model.gguf_weights`), the file being `gguf` or the fetched one; the numbers are
     the fp32 folder's, the bytes a fifth. `weights="fp32"` reads the folder's safetensors.
 
+    `dtype="bfloat16"` (opt-in) holds the folder's matrices and the K/V cache in bf16, products on bf16
+    inputs with fp32 sums, the rest fp32 (`Llama.cast_matrices`): faster, no longer the fp32 numbers.
+
     `activations="int8"` (GGUF blocks only; opt-in) has each product take x rounded to int8 blocks, as
     llama.cpp multiplies them: faster, no longer the fp32 numbers."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected 'fp32' (the folder's safetensors) or 'gguf' (the blocks)")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
+    dtype = as_dtype(dtype)
     folder = Path(model_dir) if model_dir else ensure_model()
     if weights == "gguf":
         from .model.gguf_weights import load_gguf
 
-        if dtype not in (None, torch.float32):
-            raise ValueError(f"weights='gguf' computes in float32; dtype={dtype} is not possible")
+        if dtype != torch.float32:
+            raise ValueError(f"weights='gguf' multiplies its blocks in float32; dtype={dtype} is not possible")
         path = Path(gguf) if gguf else download_gguf(nanoserve_home() / "downloads")
         return load_gguf(path, activations=activations), Tokenizer.from_folder(folder)
     if activations != "fp32":
         raise ValueError(f"activations={activations!r} multiplies GGUF blocks: it needs weights='gguf'")
-    return load_model(folder, dtype or torch.float32, pack=pack), Tokenizer.from_folder(folder)
+    return load_model(folder, dtype, pack=pack), Tokenizer.from_folder(folder)

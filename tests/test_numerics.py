@@ -11,8 +11,10 @@ from prompts import NEAR_TIE, PROMPTS, prompt_ids
 import nanoserve
 from nanoserve import LLM, SamplingParams, generate
 from nanoserve.cli import build_parser
+from nanoserve.engine import LLMEngine
 from nanoserve.kernels import int8
 from nanoserve.model import Llama
+from nanoserve.model import matmul as mm
 from nanoserve.model.gguf_weights import set_activations, to_blocks
 from nanoserve.model.matmul import BlockWeight
 
@@ -118,5 +120,99 @@ def test_int8_greedy_tokens_agree_up_to_a_reported_divergence(on_blocks, tok, re
 def test_llm_takes_the_formats_by_keyword(model_dir):
     llm = LLM(model_dir, weights="gguf", activations="int8", num_blocks=32)
     assert llm.model.activations == "int8"
+    (out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+# ---- bf16 matrices and K/V ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dense(model_dir):
+    return nanoserve.load(model_dir)[0], nanoserve.load(model_dir, dtype="bfloat16")[0]
+
+
+def test_bf16_is_opt_in_and_says_so(model_dir, dense):
+    exact, fast = dense
+    assert (exact.matrix_dtype, exact.kv_dtype) == ("float32", torch.float32)
+    assert (fast.matrix_dtype, fast.kv_dtype, fast.dtype) == ("bfloat16", torch.bfloat16, torch.float32)
+    assert fast.norm.dtype == torch.float32 and all(w.t().is_contiguous() for w in fast.matrices())  # [in, out] kept
+    with pytest.raises(ValueError, match="expected 'float32' or 'bfloat16'"):
+        nanoserve.load(model_dir, dtype="float16")
+    with pytest.raises(ValueError, match="multiplies its blocks in float32"):
+        nanoserve.load(model_dir, weights="gguf", dtype="bfloat16")
+    assert build_parser().parse_args(["generate", "--prompt", "x", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
+
+
+def test_bf16_logits_are_within_tolerance_of_fp32(dense, tok):
+    for name, worst, mean in logit_errors(*dense, tok):
+        assert 0 < worst <= BF16_MAX and mean <= BF16_MEAN, name
+
+
+def test_bf16_greedy_tokens_agree_up_to_a_reported_divergence(dense, tok, report):
+    for name in ("plain", "code", "chat"):
+        check_divergence(*dense, tok, name, lambda k, v: report(f"bf16 first divergence, {k}", v))
+
+
+def test_bf16_engine_holds_kv_in_bf16_and_gives_a_request_its_tokens_in_any_batch(model_dir, dense, tok):
+    """Half the bytes per cached token, so twice the blocks in the same memory; a request's tokens do not depend
+    on what else is in its steps (oneDNN's bf16 product gives a row the same bits for any row count)."""
+    exact, fast = dense
+    engines = [LLMEngine(m, tok, kv_cache_bytes=1 << 24) for m in (exact, fast)]
+    assert engines[1].runner.storage.k.dtype == torch.bfloat16
+    assert engines[1].manager.num_blocks // 2 == engines[0].manager.num_blocks  # (the same bytes, floored)
+    prompts = [prompt_ids(tok, name) for name in PROMPTS]
+    alone = [engine_greedy(fast, tok, [p])[0] for p in prompts[:2]]
+    together = engine_greedy(fast, tok, prompts)
+    assert together[:2] == alone
+
+
+def engine_greedy(model: Llama, tok, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(model, tok)
+    ids = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    return [engine.requests[i].output_token_ids for i in ids]
+
+
+def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
+    """oneDNN on AVX512_BF16, oneDNN widening to fp32 (a CPU without the instructions, ONEDNN_MAX_CPU_ISA), and
+    F.linear (no bf16 oneDNN, AVX2 CPUs): each is x and w in bf16 summed in fp32, its output rounded to bf16, so
+    each is within one bf16 step (2^-8 relative) of that sum computed in fp64."""
+    script = """
+import sys, torch
+from nanoserve.model import matmul as mm
+g = torch.Generator().manual_seed(0)
+w = mm.linear_weight(96, 64)
+with torch.no_grad():
+    w.data = torch.randn(96, 64, generator=g).t().contiguous().t().bfloat16()
+mm.pack(w)
+x = torch.randn(5, 64, generator=g)
+with torch.inference_mode():
+    out = mm.linear(x, w)
+ref = x.bfloat16().double() @ w.double().t()
+print(mm.bf16_road(), mm.packed(w) is not None, float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max()))
+"""
+    import os
+    import subprocess
+    import sys
+
+    for isa in (None, "AVX512_CORE", "AVX2"):
+        env = dict(os.environ) | ({"ONEDNN_MAX_CPU_ISA": isa} if isa else {})
+        road, onednn, worst = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                                             check=True).stdout.split()
+        assert float(worst) <= 2**-8, (isa, road, onednn)
+    monkeypatch.setattr(mm, "packed", lambda w: None)  # in this process too: no packed copy -> F.linear's road
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g).bfloat16()
+    x = torch.randn(3, 64, generator=g)
+    with torch.inference_mode():
+        assert torch.equal(mm.linear(x, w), torch.nn.functional.linear(x.bfloat16(), w).float())
+
+
+def test_llm_takes_bf16_by_keyword(model_dir):
+    llm = LLM(model_dir, dtype="bfloat16", num_blocks=32)
+    assert llm.model.matrix_dtype == "bfloat16" and llm.engine.runner.storage.k.dtype == torch.bfloat16
     (out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4

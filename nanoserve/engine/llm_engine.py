@@ -86,9 +86,9 @@ class LLMEngine:
         self.config = config = config if config is not None else EngineConfig.from_kwargs(**options)
         self.model, self.tokenizer, self.clock = model, tokenizer, clock
         cfg, cache = model.cfg, config.cache
-        num_blocks = cache.blocks_for(cfg, model.dtype.itemsize, config.scheduler.max_num_seqs)
+        num_blocks = cache.blocks_for(cfg, model.kv_dtype.itemsize, config.scheduler.max_num_seqs)
         self.manager = BlockManager(num_blocks, cache.block_size, cache.prefix_caching)
-        self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.dtype),
+        self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.kv_dtype),
                                   config.kernels, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.manager, config.scheduler)
         self.threads: ThreadPolicy | None = None  # "auto": steps run on the cores other programs leave free

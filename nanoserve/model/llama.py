@@ -46,6 +46,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(C))
         self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
         self.w_down = linear_weight(C, cfg.intermediate_size)
+        self.kv_dtype: torch.dtype | None = None  # K/V rounded to this before attention (None: kept as computed)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, compiled: bool = False) -> Tensor:
         """x (B, T, C) -> (B, T, C): x + attention(norm(x)), then that + mlp(norm(that))."""
@@ -63,6 +64,8 @@ class Block(nn.Module):
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
         q, k, v = rope_qk(qkv, cos, sin, H, K, compiled)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
+        if self.kv_dtype is not None and self.kv_dtype != k.dtype:  # what a bf16 cache holds, on every road
+            k, v = k.to(self.kv_dtype).to(k.dtype), v.to(self.kv_dtype).to(v.dtype)
         return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo, compiled)
 
     def mlp(self, h: Tensor, compiled: bool = False) -> Tensor:
@@ -129,7 +132,7 @@ class Llama(nn.Module):
             positions = torch.arange(T, device=ids.device).expand(B, T)
         kv = kv or no_cache_backend()
         cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
-        x = embedding(ids, self.embed)  # (B, T, C)
+        x = embedding(ids, self.embed, self.dtype)  # (B, T, C)
         for i, block in enumerate(self.layers):
             x = block(x, cos, sin, i, kv, compiled)
             if on_layer is not None:
@@ -170,6 +173,33 @@ class Llama(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
         return model.to(dtype).eval()
+
+    def cast_matrices(self, dtype: torch.dtype) -> Llama:
+        """Hold every matrix (and the token table) in `dtype` and the K/V rounded to it, the norms and the
+        residual stream staying fp32: torch.autocast's bf16, each product on bf16 inputs with fp32 sums,
+        norms, RoPE and softmax in fp32. Half the bytes per decode step and per cached token. In place."""
+        if self.block_weights():
+            raise ValueError("a model on GGUF blocks multiplies its blocks in fp32; cast_matrices needs dense weights")
+        with torch.no_grad():
+            for w in {id(w): w for w in [*self.matrices(), self.embed]}.values():
+                assert isinstance(w, nn.Parameter)
+                w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
+                w.__dict__.pop("_nanoserve_packed", None)  # a blocked copy of the old numbers: `pack` anew
+        for blk in self.layers:
+            blk.kv_dtype = None if dtype == self.dtype else dtype
+        return self
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype a cache holds this model's K/V in: its forward's, or the matrices' after `cast_matrices`."""
+        return self.layers[0].kv_dtype or self.dtype
+
+    @property
+    def matrix_dtype(self) -> str:
+        """What the products multiply: "q4_1/q8_0 blocks" for a model on GGUF blocks, else the matrices' dtype."""
+        if self.block_weights():
+            return "gguf blocks"
+        return str(self.layers[0].wqkv.dtype).removeprefix("torch.")
 
     def pack_weights(self, rows: int = PACK_ROWS) -> int:
         """Give every matrix a oneDNN-blocked copy (`pack`): faster products of two or more rows (prefill,

@@ -12,6 +12,8 @@ expects, transposed in memory. `linear(x, w)` then takes one of three roads:
 - two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
+- bf16 matrices (`Llama.cast_matrices`) and fp32 x: x rounded to bf16, oneDNN's bf16 product for any row
+  count where it has a packed copy, F.linear otherwise (`bf16_road`); the output back in fp32.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
@@ -67,7 +69,34 @@ def one_row_road() -> str:
     return "bag" if capability == "AVX512" and amd else "bmm"
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return set()
+    return set(line.split(":", 1)[1].split())
+
+
+def bf16_road() -> str:
+    """How a bf16 product runs on this CPU: oneDNN on bf16 dot-product instructions ("amx-bf16", "avx512-bf16"),
+    oneDNN widening bf16 to fp32 for fp32 FMAs ("avx512"), or, where torch's oneDNN takes no bf16 (AVX2 CPUs),
+    torch's own F.linear ("torch"). Each sums in fp32 and rounds the output to bf16: the same numbers to a
+    last bf16 digit, at different speeds."""
+    if not (ONEDNN and _bf16_onednn()):
+        return "torch"
+    flags = _cpu_flags()
+    return "amx-bf16" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+
+
+def _bf16_onednn() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 ONEDNN = _has_onednn()
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # what `pack` blocks for oneDNN (bf16 where its build takes bf16)
 ONE_ROW = one_row_road()
 BAG_ROWS = 16  # rows per partial sum of the bag road (at least): the rounding is best near 16
 PARTIAL_SUMS = 1 << 19  # at most this many partial-sum floats (2 MB): only the LM head needs bigger bags
@@ -114,10 +143,13 @@ def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
     """Keep a copy of w in oneDNN's blocked layout beside it (an attribute of w), for `linear` to
     read; False where there is no oneDNN or w is not an fp32 CPU matrix. The copy costs w's bytes
     again, and is ignored once w is written (its version moves on): it never serves stale weights."""
-    if not (ONEDNN and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
+    if not (ONEDNN and w.dtype in ONEDNN_DTYPES and w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
         return False  # (an inference tensor keeps no version: a write to it could not be seen)
-    with torch.inference_mode(False), torch.no_grad():
-        blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
+    except RuntimeError:  # bf16 on a CPU (or an ONEDNN_MAX_CPU_ISA) torch's oneDNN takes no bf16 on
+        return False
     w._nanoserve_packed = (w._version, blocked)
     return True
 
@@ -182,11 +214,12 @@ class BlockWeight(nn.Module):
         return f"{self.fmt}, out={self.shape[0]}, in={self.shape[1]}, activations={self.activations}"
 
 
-def embedding(ids: Tensor, w: Tensor | BlockWeight) -> Tensor:
-    """Rows `ids` of a table w (V, C), like F.embedding; a BlockWeight expands only the rows asked for."""
+def embedding(ids: Tensor, w: Tensor | BlockWeight, dtype: torch.dtype | None = None) -> Tensor:
+    """Rows `ids` of a table w (V, C), like F.embedding, in `dtype` (default w's); a BlockWeight expands only
+    the rows asked for."""
     if isinstance(w, BlockWeight):
         return quant.dequantize(w.blocks[ids.reshape(-1)], w.fmt).view(*ids.shape, w.shape[1])
-    return F.embedding(ids, w)
+    return F.embedding(ids, w).to(dtype or w.dtype)
 
 
 def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> Tensor:
@@ -205,4 +238,8 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
             return bag_linear(x, w)
         if ONEDNN and not torch.is_grad_enabled():
             return onednn_linear(x, w)
+    if w.dtype == torch.bfloat16 and x.dtype != w.dtype:  # bf16 matrices: x rounded to bf16, fp32 sums, bf16 out
+        xb = x.to(w.dtype)
+        out = onednn_linear(xb, w) if packed(w) is not None and not torch.is_grad_enabled() else F.linear(xb, w)
+        return out.to(x.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
     return F.linear(x, w)

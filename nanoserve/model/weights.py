@@ -94,8 +94,9 @@ def load_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def load_model(
     folder: str | Path, dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None, pack: bool = True,
 ) -> Llama:
-    """A `Llama` with the folder's weights, in `dtype`, in eval mode; with `pack`, its matrices
-    also get oneDNN's blocked copies (`Llama.pack_weights`: faster, the weights' memory again).
+    """A `Llama` with the folder's weights, in eval mode; with `pack`, its matrices also get oneDNN's
+    blocked copies (`Llama.pack_weights`: faster, the weights' memory again). `dtype` bfloat16 holds the
+    matrices and K/V in bf16 (`Llama.cast_matrices`), the rest in fp32.
 
     >>> model = load_model(fetch.default_model_dir())   # doctest: +SKIP
     """
@@ -118,7 +119,9 @@ def load_model(
             blk.wo.copy_(sd[p + "self_attn.o_proj.weight"])
             blk.w_gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
             blk.w_down.copy_(sd[p + "mlp.down_proj.weight"])
-    model = model.to(dtype).eval()
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
+    model = model.eval() if dtype == torch.float32 else model.cast_matrices(dtype).eval()
     if pack:
         model.pack_weights()
     return model

@@ -23,6 +23,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
     ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
                     help="fp32: the folder's safetensors; gguf: the GGUF's own blocks (as LLM(weights=...))")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: the folder's matrices and the K/V cache in bf16 (as LLM(dtype=...); not exact)")
     ap.add_argument("--gguf", help="with --weights gguf: the GGUF file (default: the fetched one)")
     ap.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     folder = Path(args.model) if args.model else ensure_model()
-    model, tok = load(folder, weights=args.weights, gguf=args.gguf)
+    model, tok = load(folder, dtype=args.dtype, weights=args.weights, gguf=args.gguf)
     name = args.served_model_name or folder.name
     engine = make_engine(model, tok, args)
     async_engine = AsyncEngine(engine, own_thread=False)

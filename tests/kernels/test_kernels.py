@@ -100,7 +100,8 @@ def test_paged_attention_case_runs(compiled):
 
 @pytest.mark.parametrize("change, match", [
     (dict(q=lambda c: c["q"].double()), "q: expected a float32 CPU tensor, got Double"),
-    (dict(k_pool=lambda c: c["k_pool"].half()), "k_pool: expected a float32 CPU tensor"),
+    (dict(k_pool=lambda c: c["k_pool"].half()), "k_pool/v_pool: expected contiguous float32 or bfloat16"),
+    (dict(k_pool=lambda c: c["k_pool"].bfloat16()), "pools of one dtype, got BFloat16 and Float"),
     (dict(seq_lens=lambda c: c["seq_lens"].int()), "seq_lens: expected contiguous int64"),
     (dict(block_tables=lambda c: c["block_tables"].int()), "block_tables: expected contiguous int64"),
     (dict(block_tables=lambda c: torch.tensor([[0, 9], [2, 3]])), "request 0: block 9 is not in the pool of 6"),
@@ -319,6 +320,17 @@ def test_paged_attention_takes_any_grouping_and_head_dim(compiled, H, K, D):
     for split_keys in (0, 16):
         torch.testing.assert_close(kernels.paged_attention(**case, split_keys=split_keys), gathered(case),
                                    atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("split_keys", [0, 16])
+def test_a_bf16_pool_gives_the_bits_of_an_fp32_pool_of_the_same_numbers(compiled, split_keys):
+    """bf16 K/V (`dtype="bfloat16"`) are read widened to fp32, exactly: the same loops then give the same bits as
+    an fp32 pool holding those numbers, in every kind of row (decode, split-K, chunk, whole prompt)."""
+    case = ragged_case([1, 37, 300, 5, 129], [1, 1, 1, 5, 20], 16, H=9, K=3, D=64, seed=3)
+    half = dict(case, k_pool=case["k_pool"].bfloat16(), v_pool=case["v_pool"].bfloat16())
+    widened = dict(case, k_pool=half["k_pool"].float(), v_pool=half["v_pool"].float())
+    assert torch.equal(kernels.paged_attention(**half, split_keys=split_keys),
+                       kernels.paged_attention(**widened, split_keys=split_keys))
 
 
 def test_split_k_takes_decode_rows_longer_than_one_piece_only(compiled):

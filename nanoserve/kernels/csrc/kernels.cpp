@@ -105,19 +105,40 @@ inline float sum_of(const float* x, int64_t n) {
   return s;
 }
 
+// A K/V pool holds float or bf16 numbers (bf16: the top half of a float's bits, stored as uint16_t). Reading
+// one widens it to float exactly: a shift, which vectorizes; every sum after it is the fp32 loop's.
+typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+inline vec load_lanes(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline vec load_lanes(const uint16_t* p) {
+  return reinterpret_cast<vec>(__builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16);
+}
+
+// a . b for a float a and a pool's b: dot's sums in dot's order.
+inline float dot(const float* a, const uint16_t* b, int64_t n) {
+  vec acc = {};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(a + i) * load_lanes(b + i);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * widen(b[i]);
+  return s;
+}
+
 // out[h][0 .. 4 * LANES) = inv[h] * sum over keys l, in order, of p[h][l] * v_l, for NH heads of one kv head whose
 // value numbers for key l start at v + at[l]. Key by key: 4 * LANES numbers of a value slot read once, in one
 // contiguous run, for all NH heads; the next keys' numbers asked for ahead of their turn.
-template <int NH>
-inline void value_run(const float* const* p, int64_t n, const float* v, const int64_t* at, const float* inv,
+template <int NH, class T>
+inline void value_run(const float* const* p, int64_t n, const T* v, const int64_t* at, const float* inv,
                       float* out, int64_t D) {
   vec acc[NH][4] = {};
   for (int64_t l = 0; l < n; ++l) {
-    const float* vl = v + at[l];
-    const float* ahead = v + at[std::min<int64_t>(l + 8, n - 1)];
+    const T* vl = v + at[l];
+    const T* ahead = v + at[std::min<int64_t>(l + 8, n - 1)];
     for (int c = 0; c < 4; ++c) __builtin_prefetch(ahead + c * LANES);
-    const vec v0 = *reinterpret_cast<const vec*>(vl), v1 = *reinterpret_cast<const vec*>(vl + LANES),
-              v2 = *reinterpret_cast<const vec*>(vl + 2 * LANES), v3 = *reinterpret_cast<const vec*>(vl + 3 * LANES);
+    const vec v0 = load_lanes(vl), v1 = load_lanes(vl + LANES), v2 = load_lanes(vl + 2 * LANES),
+              v3 = load_lanes(vl + 3 * LANES);
     for (int h = 0; h < NH; ++h) {
       const float ph = p[h][l];
       acc[h][0] += ph * v0;
@@ -139,8 +160,9 @@ inline void value_run(const float* const* p, int64_t n, const float* v, const in
 // `value_run`: key l's value slot starts at vd + at[l], and one read of a kv head's numbers in it serves
 // the heads that share it. With m_out/l_out (a piece of a split row) each head's max and sum of e^(s - max)
 // go there and out keeps the sums unnormalised: the online softmax's state (m, l, acc) of Day 22.
+template <class T>
 void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t h_first, int64_t rep, int64_t D,
-                const float* vd, const int64_t* at, float* out, float* m_out = nullptr, float* l_out = nullptr) {
+                const T* vd, const int64_t* at, float* out, float* m_out = nullptr, float* l_out = nullptr) {
   float inv[HEADS_AT_ONCE];
   const float* p[HEADS_AT_ONCE];
   for (int64_t h0 = 0; h0 < heads; h0 += HEADS_AT_ONCE) {
@@ -177,7 +199,7 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
         for (int64_t h = a; h < b; ++h) {
           float acc[LANES] = {0.f};
           for (int64_t l = 0; l < n; ++l)
-            for (int64_t j = 0; j < dn; ++j) acc[j] += p[h][l] * vd[at[l] + kv[h] + d0 + j];
+            for (int64_t j = 0; j < dn; ++j) acc[j] += p[h][l] * widen(vd[at[l] + kv[h] + d0 + j]);
           for (int64_t j = 0; j < dn; ++j) out[(h0 + h) * D + d0 + j] = acc[j] * inv[h];
         }
       }
@@ -190,20 +212,21 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
 // start at kd + at[l], key by key (each slot read once): scores[h * n + l]. A decode step's keys come from
 // memory, not cache (the weights streamed since their layer last ran), so each key's numbers are asked for
 // AHEAD keys before their turn, and its values (read once the scores are done, at vd + at[l]) now, into L2.
-void decode_scores(const float* qrow, const float* kd, const float* vd, const int64_t* at, int64_t n, int64_t heads,
+template <class T>
+void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* at, int64_t n, int64_t heads,
                    int64_t h_first, int64_t rep, int64_t D, float scale, float* scores) {
   constexpr int64_t AHEAD = 16;
   const int64_t span0 = (h_first / rep) * D, span1 = ((h_first + heads - 1) / rep + 1) * D;  // the kv heads read
   for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
     for (int64_t d = span0; d < span1; d += 16) __builtin_prefetch(kd + at[l] + d);
   for (int64_t l = 0; l < n; ++l) {
-    const float* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
+    const T* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
     for (int64_t d = span0; d < span1; d += 16) {
       __builtin_prefetch(ahead + d);
       __builtin_prefetch(vd + at[l] + d, 0, 2);
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const float* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
+      const T* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
       scores[h * n + l] = dot(qrow + h * D, k, D) * scale;
     }
   }
@@ -371,7 +394,8 @@ namespace {
 // of e^(s - m), and the unnormalised value sum acc (each key slot read once). Then each (row, head) merges its
 // pieces in order: M = the largest m, out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M). The pieces
 // depend on the row's own length only, never on the batch or the thread count, and so do its bits.
-void split_decode(const std::vector<int64_t>& rows, const float* qd, const float* kd, const float* vd, float* od,
+template <class T>
+void split_decode(const std::vector<int64_t>& rows, const float* qd, const T* kd, const T* vd, float* od,
                   const int64_t* lens, const int64_t* qsl, const int64_t* tables, int64_t W, int64_t BS, int64_t H,
                   int64_t K, int64_t D, float scale, int64_t P) {
   const int64_t R = static_cast<int64_t>(rows.size()), rep = H / K;  // rep query heads share each kv head
@@ -423,14 +447,17 @@ void split_decode(const std::vector<int64_t>& rows, const float* qd, const float
 // query_start_loc[R] are padding and come out zero.
 // A decode row with more than split_keys keys (split_keys > 0) is split-K (flash-decoding): its keys are cut
 // into pieces of split_keys, each piece a task of its own, and the pieces' softmax states merged in order.
-// q (N, H, D); k_pool/v_pool (blocks, block_size, K, D); query_start_loc (R+1,), seq_lens (R,),
+// q (N, H, D); k_pool/v_pool (blocks, block_size, K, D), float32 or bf16; query_start_loc (R+1,), seq_lens (R,),
 // block_tables (R, W): int64. Returns (N, H*D).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                               double scale, int64_t split_keys) {
   check_f32(q, "q");
-  check_f32(k_pool, "k_pool");
-  check_f32(v_pool, "v_pool");
+  TORCH_CHECK(k_pool.device().is_cpu() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
+                  k_pool.scalar_type() == v_pool.scalar_type() &&
+                  (k_pool.scalar_type() == torch::kFloat32 || k_pool.scalar_type() == torch::kBFloat16),
+              "k_pool/v_pool: expected contiguous float32 or bfloat16 CPU pools of one dtype, got ",
+              k_pool.scalar_type(), " and ", v_pool.scalar_type());
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 4 && k_pool.sizes() == v_pool.sizes(),
               "expected q (N, H, D) and k/v pools (blocks, block_size, K, D) of one shape");
   const int64_t N = q.size(0), H = q.size(1), D = q.size(2);
@@ -472,8 +499,6 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   });
   auto out = torch::zeros({N, H * D}, q.options());
   const float* qd = q.data_ptr<float>();
-  const float* kd = k_pool.data_ptr<float>();
-  const float* vd = v_pool.data_ptr<float>();
   float* od = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // A task is a tile and all its kv heads (each key slot holds every kv head's numbers side by side: read
@@ -485,58 +510,64 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     std::vector<float> scores, kt;
     std::vector<int64_t> at;  // where key l's slot starts in the pool (every kv head's numbers, side by side)
   };
-  for_each_task<Scratch>(per_head ? n_tiles * K : n_tiles, [&](int64_t task, Scratch& sc) {
-    std::vector<float>& scores = sc.scores;
-    std::vector<float>& kt = sc.kt;
-    std::vector<int64_t>& at = sc.at;
-    kt.resize(D * LANES);
-    const auto& tile = tiles[per_head ? task / K : task];
-    const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
-    const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
-    const int64_t* table = tables + r * W;
-    const int64_t first = lens[r] - T;            // keys before the request's first query
-    const int64_t n_max = first + i1;             // keys the tile's last query sees
-    at.resize(n_max);
-    for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
-    if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
-      const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
-      scores.resize(heads * n_max);
-      decode_scores(qd + (row * H + h_first) * D, kd, vd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
-      value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
-      return;
-    }
-    const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
-    scores.resize(rows * n_max);
-    for (int64_t g = g0; g < g1; ++g) {
-      // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
-      // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
-      for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
-        const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
-        for (int64_t j = 0; j < kn; ++j) {
-          const float* k = kd + at[l0 + j] + g * D;
-          for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = k[d];
-        }
-        for (int64_t j = kn; j < LANES; ++j)
-          for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
-        for (int64_t i = i0; i < i1; ++i) {
-          const int64_t n = first + i + 1;
-          if (n <= l0) continue;
-          for (int64_t h = 0; h < rep; ++h) {
-            const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
-            vec acc = {};
-            for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
-            acc *= fscale;
-            float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
-            const int64_t m = std::min<int64_t>(kn, n - l0);
-            for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
+  const auto attend = [&](const auto* kd, const auto* vd) {  // float or bf16 pools: the same loops
+    for_each_task<Scratch>(per_head ? n_tiles * K : n_tiles, [&](int64_t task, Scratch& sc) {
+      std::vector<float>& scores = sc.scores;
+      std::vector<float>& kt = sc.kt;
+      std::vector<int64_t>& at = sc.at;
+      kt.resize(D * LANES);
+      const auto& tile = tiles[per_head ? task / K : task];
+      const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
+      const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
+      const int64_t* table = tables + r * W;
+      const int64_t first = lens[r] - T;            // keys before the request's first query
+      const int64_t n_max = first + i1;             // keys the tile's last query sees
+      at.resize(n_max);
+      for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
+      if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
+        const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
+        scores.resize(heads * n_max);
+        decode_scores(qd + (row * H + h_first) * D, kd, vd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
+        value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
+        return;
+      }
+      const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
+      scores.resize(rows * n_max);
+      for (int64_t g = g0; g < g1; ++g) {
+        // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
+        // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
+        for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
+          const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
+          for (int64_t j = 0; j < kn; ++j) {
+            const auto* k = kd + at[l0 + j] + g * D;
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = widen(k[d]);
+          }
+          for (int64_t j = kn; j < LANES; ++j)
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
+          for (int64_t i = i0; i < i1; ++i) {
+            const int64_t n = first + i + 1;
+            if (n <= l0) continue;
+            for (int64_t h = 0; h < rep; ++h) {
+              const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
+              vec acc = {};
+              for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
+              acc *= fscale;
+              float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
+              const int64_t m = std::min<int64_t>(kn, n - l0);
+              for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
+            }
           }
         }
+        for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
+          value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
+                     od + ((qsl[r] + i) * H + g * rep) * D);
       }
-      for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
-        value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
-                   od + ((qsl[r] + i) * H + g * rep) * D);
-    }
-  });
-  if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
+    });
+    if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
+  };
+  if (k_pool.scalar_type() == torch::kBFloat16)
+    attend(reinterpret_cast<const uint16_t*>(k_pool.data_ptr()), reinterpret_cast<const uint16_t*>(v_pool.data_ptr()));
+  else
+    attend(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
   return out;
 }

@@ -1,0 +1,171 @@
+"""`python -m nanoserve bench numerics`: what bf16 and int8 activations buy in speed and cost in numbers (Day 42).
+
+Four formats of one checkpoint, loaded side by side: fp32 (the exact default), bf16 (matrices and K/V in bf16,
+`load(dtype="bfloat16")`), the GGUF's blocks on fp32 activations (the fp32 numbers, a fifth of the bytes) and
+the blocks on int8 activations (`activations="int8"`). Against fp32, on text that ships with Python itself
+(`pydoc_data`, no download): logit error (max, mean), perplexity, and greedy agreement over many prompts (where
+the first divergence falls, and fp32's lead there). Then speed, formats interleaved: prefill tok/s, decode
+tok/s at each batch size through the engine, batch 1's weight bytes as a fraction of the measured read
+bandwidth, and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32)
+and one row per greedy prompt (`-greedy.csv`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..engine import LLMEngine
+from ..kernels import int8
+from ..loader import load
+from ..model import Llama
+from ..model.matmul import bf16_road
+from ..tokenizer import Tokenizer
+from .arrivals import replay_engine
+from .command import common_arguments, csv_header, report, start
+from .csvio import write_csv
+from .harness import greedy, ragged_workload, run_requests
+from .roofline import measure_bandwidth
+from .serving import SLO, arrival_times, serving_metrics
+from .timing import interleaved
+
+FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "blocks": {"weights": "gguf"},
+           "blocks-int8": {"weights": "gguf", "activations": "int8"}}
+NEAR_TIE = 1e-3  # a lead this small is a tie in any format (teach.reference's)
+
+
+def held_out_ids(tok: Tokenizer) -> list[int]:
+    """Python's own documentation (pydoc_data, in every CPython), as token ids: text found on any machine."""
+    from pydoc_data.topics import topics
+
+    return tok.encode("\n\n".join(topics[k] for k in sorted(topics)), add_special_tokens=False)
+
+
+def windows(ids: Sequence[int], n: int, length: int) -> list[list[int]]:
+    """n windows of `length` tokens spread evenly over ids."""
+    step = (len(ids) - length) // max(1, n)
+    return [list(ids[i * step:i * step + length]) for i in range(n)]
+
+
+@torch.inference_mode()
+def accuracy(models: dict[str, Llama], texts: Sequence[list[int]]) -> dict[str, dict[str, float]]:
+    """Per format: max and mean |logit - fp32's| over every position of `texts`, and its perplexity on them."""
+    out: dict[str, dict[str, float]] = {}
+    exact = [models["fp32"](torch.tensor([t]))[0] for t in texts]
+    for name, model in models.items():
+        errs, nll, n = [], 0.0, 0
+        for t, ref in zip(texts, exact):
+            logits = ref if name == "fp32" else model(torch.tensor([t]))[0]
+            errs.append((logits - ref).abs())
+            nll += float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(t[1:]), reduction="sum"))
+            n += len(t) - 1
+        err = torch.cat([e.flatten() for e in errs])
+        out[name] = {"logit_max_err": float(err.max()), "logit_mean_err": float(err.mean()),
+                     "perplexity": math.exp(nll / n)}
+    return out
+
+
+def greedy_tokens(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's n greedy tokens, all prompts in one engine."""
+    _, reqs = run_requests(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(n)] * len(prompts))
+    return [r.output_token_ids for r in reqs]
+
+
+@torch.inference_mode()
+def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[int]], got: Sequence[list[int]],
+                ) -> list[dict]:
+    """Per prompt: the first step where `got` leaves fp32's tokens (None: never), and fp32's lead of its own token
+    over the one taken there (computed on the shared context): small leads are where any rounding may turn."""
+    rows = []
+    for i, (p, a, b) in enumerate(zip(prompts, ref, got)):
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        lead = None
+        if k is not None:
+            logits = exact(torch.tensor([p + a[:k]]), last_only=True)[0]
+            lead = float(logits[a[k]] - logits[b[k]])
+        rows.append(dict(prompt=i, first_divergence=k, fp32_lead=lead))
+    return rows
+
+
+def decode_tok_s(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> float:
+    """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step)."""
+    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
+    run_requests(engine, prompts, [greedy(steps)] * len(prompts))
+    full = [r.total_s for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    return len(prompts) / statistics.median(full)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompts", type=int, default=24, help="greedy prompts compared with fp32")
+    ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
+    ap.add_argument("--windows", type=int, default=4, help="windows of held-out text for error and perplexity")
+    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0], help="arrival rates for goodput (req/s)")
+    common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], steps=24, repeats=3, requests=40,
+                     seed=0)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    start(args, model=False)
+    formats = ["fp32"] + [f for f in args.formats if f != "fp32"]  # fp32: every other format's reference
+    loaded = {f: load(**FORMATS[f]) for f in formats}
+    models, tok = {f: m for f, (m, _) in loaded.items()}, loaded["fp32"][1]
+    text = held_out_ids(tok)
+    errors = accuracy(models, windows(text, args.windows, 512))
+    rows = [dict(format=f, measure=k, size="", value=v) for f, d in errors.items() for k, v in d.items()]
+    prompts = windows(text, args.prompts, 64)
+    tokens = {f: greedy_tokens(m, tok, prompts, args.new_tokens) for f, m in models.items()}
+    greedy_rows = [dict(format=f, **r) for f in formats[1:]
+                   for r in divergences(models["fp32"], prompts, tokens["fp32"], tokens[f])]
+    for f in formats[1:]:
+        mine = [r for r in greedy_rows if r["format"] == f]
+        rows += [dict(format=f, measure="greedy_identical", size=args.new_tokens,
+                      value=sum(r["first_divergence"] is None for r in mine) / len(mine)),
+                 dict(format=f, measure="greedy_near_tie_divergences", size=args.new_tokens,
+                      value=sum(r["fp32_lead"] is not None and r["fp32_lead"] < NEAR_TIE for r in mine))]
+    with torch.inference_mode():
+        for ctx in args.contexts:
+            ids = torch.tensor([text[:ctx]])
+            times = interleaved([lambda m=m, ids=ids: m(ids, last_only=True) for m in models.values()], args.repeats)
+            rows += [dict(format=f, measure="prefill_tok_s", size=ctx, value=ctx / statistics.median(t))
+                     for f, t in zip(formats, times)]
+    read_bw = measure_bandwidth()[0]
+    for b in args.batch_sizes:
+        per_round = [[decode_tok_s(m, tok, prompts[:b], args.steps) for m in models.values()]
+                     for _ in range(args.repeats)]
+        for i, f in enumerate(formats):
+            tok_s = statistics.median(r[i] for r in per_round)
+            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=tok_s))
+            if b == 1:
+                rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1,
+                                 value=models[f].weight_bytes() * tok_s / read_bw))
+    w = ragged_workload(tok, args.requests, seed=args.seed)
+    for rate in args.rates:
+        trace = arrival_times(args.requests, rate, 1.0, args.seed)
+        for f, m in models.items():
+            replay = replay_engine(LLMEngine(m, tok), w, trace, rate)
+            rows.append(dict(format=f, measure="goodput_req_s", size=rate, value=serving_metrics(replay.timings,
+                                                                                                 SLO()).goodput))
+    for r in rows:  # each speed's ratio to fp32's at the same size, same run
+        base = next((x["value"] for x in rows if x["format"] == "fp32" and (x["measure"], x["size"]) ==
+                     (r["measure"], r["size"])), None)
+        r["vs_fp32"] = r["value"] / base if base and r["measure"].endswith(("tok_s", "req_s")) else ""
+    meta = csv_header(argv, bf16_road=bf16_road(), int8_road=int8.int8_road(), read_bandwidth_gb_s=read_bw / 1e9,
+                      held_out="pydoc_data.topics (Python's documentation)", windows=args.windows,
+                      prompts=args.prompts, new_tokens=args.new_tokens, slo=dict(ttft_s=SLO().ttft_s,
+                                                                                tpot_s=SLO().tpot_s))
+    write_csv(args.out, rows, meta)
+    write_csv(greedy_path(args.out), greedy_rows, meta)
+    return report(args.out, meta, rows)
+
+
+def greedy_path(out: str | Path) -> Path:
+    """Where the per-prompt greedy rows go, beside the main CSV."""
+    out = Path(out)
+    return out.with_name(out.stem + "-greedy.csv")
