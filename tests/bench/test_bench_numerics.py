@@ -1,0 +1,43 @@
+"""bench numerics' parts on the tiny model: the held-out text, its windows, the accuracy summary and where greedy
+texts part. (The command itself is run by hand: it loads every format of the real model.)"""
+
+import math
+
+import torch
+
+from nanoserve.bench import numerics
+from nanoserve.model import Llama
+
+
+def test_held_out_text_ships_with_python_and_windows_spread_over_it(tok):
+    ids = numerics.held_out_ids(tok)
+    assert len(ids) > 50_000  # Python's documentation: plenty of text on any machine, no download
+    ws = numerics.windows(ids, 4, 512)
+    assert [len(w) for w in ws] == [512] * 4 and ws[0] == ids[:512] and ws[1] != ws[0]
+
+
+def test_accuracy_is_zero_for_fp32_itself_and_measures_another_format(tiny_model, tiny_cfg):
+    other = Llama.random(tiny_cfg, seed=0).cast_matrices(torch.bfloat16)
+    texts = [[1, 5, 9, 2, 7, 3], [4, 4, 8, 1]]
+    got = numerics.accuracy({"fp32": tiny_model, "bf16": other}, texts)
+    assert got["fp32"]["logit_max_err"] == 0 and got["fp32"]["logit_mean_err"] == 0
+    assert 0 < got["bf16"]["logit_mean_err"] <= got["bf16"]["logit_max_err"] < 1
+    with torch.inference_mode():  # perplexity: e^(mean next-token cross-entropy over every text's positions)
+        nll = [torch.nn.functional.cross_entropy(tiny_model(torch.tensor([t]))[0][:-1], torch.tensor(t[1:]),
+                                                 reduction="sum") for t in texts]
+    assert math.isclose(got["fp32"]["perplexity"], math.exp(float(sum(nll)) / 8), rel_tol=1e-5)
+    assert math.isfinite(got["bf16"]["perplexity"]) and got["bf16"]["perplexity"] != got["fp32"]["perplexity"]
+
+
+def test_divergences_name_the_first_differing_step_and_fp32s_lead_there(tiny_model):
+    prompts, ref = [[1, 2, 3], [4, 5]], [[7, 8, 9], [6, 6]]
+    rows = numerics.divergences(tiny_model, prompts, ref, [[7, 8, 9], [6, 2]])
+    assert rows[0] == dict(prompt=0, first_divergence=None, fp32_lead=None)
+    assert rows[1]["first_divergence"] == 1
+    with torch.inference_mode():
+        logits = tiny_model(torch.tensor([[4, 5, 6]]), last_only=True)[0]
+    assert rows[1]["fp32_lead"] == float(logits[6] - logits[2])
+
+
+def test_greedy_rows_go_beside_the_main_csv():
+    assert str(numerics.greedy_path("data/bench-numerics.csv")) == "data/bench-numerics-greedy.csv"
