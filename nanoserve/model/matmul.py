@@ -1,7 +1,7 @@
 """The weight products on a CPU: which kernel multiplies x by a weight, and why (Day 11).
 
 Every matrix is stored [in, out] (`linear_weight`): the same (out, in) tensor F.linear
-expects, transposed in memory. `linear(x, w)` then takes one of three roads:
+expects, transposed in memory. `linear(x, w)` then takes one of these roads:
 
 - one row (a batch-1 decode step): a matrix-vector product is bound by how fast w streams
   from memory, and x @ w.T = sum_i x[i] * w.T[i] is a weighted sum of w's contiguous rows.
