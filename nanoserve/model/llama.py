@@ -196,7 +196,7 @@ class Llama(nn.Module):
 
     @property
     def matrix_dtype(self) -> str:
-        """What the products multiply: "q4_1/q8_0 blocks" for a model on GGUF blocks, else the matrices' dtype."""
+        """What the products multiply: "gguf blocks" for a model on GGUF blocks, else the matrices' dtype."""
         if self.block_weights():
             return "gguf blocks"
         return str(self.layers[0].wqkv.dtype).removeprefix("torch.")
