@@ -156,8 +156,8 @@ def test_bf16_greedy_tokens_agree_up_to_a_reported_divergence(dense, tok, report
 
 
 def test_bf16_engine_holds_kv_in_bf16_and_gives_a_request_its_tokens_in_any_batch(model_dir, dense, tok):
-    """Half the bytes per cached token, so twice the blocks in the same memory; a request's tokens do not depend
-    on what else is in its steps (oneDNN's bf16 product gives a row the same bits for any row count)."""
+    """Half the bytes per cached token, so twice the blocks in the same memory; on oneDNN's bf16 road a request's
+    tokens do not depend on what else is in its steps (the product gives a row the same bits for any row count)."""
     exact, fast = dense
     engines = [LLMEngine(m, tok, kv_cache_bytes=1 << 24) for m in (exact, fast)]
     assert engines[1].runner.storage.k.dtype == torch.bfloat16
@@ -165,7 +165,8 @@ def test_bf16_engine_holds_kv_in_bf16_and_gives_a_request_its_tokens_in_any_batc
     prompts = [prompt_ids(tok, name) for name in PROMPTS]
     alone = [engine_greedy(fast, tok, [p])[0] for p in prompts[:2]]
     together = engine_greedy(fast, tok, prompts)
-    assert together[:2] == alone
+    if mm.bf16_road() != "torch":  # oneDNN's promise; F.linear (AVX2 CPUs' bf16 road) makes none
+        assert together[:2] == alone
 
 
 def engine_greedy(model: Llama, tok, prompts: list[list[int]]) -> list[list[int]]:
