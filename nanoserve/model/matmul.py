@@ -88,9 +88,13 @@ def bf16_road() -> str:
     return "amx-bf16" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx512"
 
 
+@functools.lru_cache(maxsize=1)
 def _bf16_onednn() -> bool:
+    """Whether torch's oneDNN blocks a bf16 weight here (what `pack` needs): asked of it, once."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        with torch.inference_mode(False), torch.no_grad():
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+        return True
     except (AttributeError, RuntimeError):
         return False
 
