@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .. import kernels
+
 
 class KVBackend(Protocol):
     """Where attention reads and writes K/V. Called once per layer per forward."""
@@ -58,6 +60,19 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int | None = None,
     return out.transpose(1, 2).reshape(B, T, H * D)
 
 
-def no_cache_backend(key_mask: Tensor | None = None) -> KVBackend:
-    """The backend with no memory: each forward attends over exactly its own tokens."""
+def bf16_prompt_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """A whole prompt's attention with its products in bf16, as a bf16 model's matrices are (Day 42): the compiled
+    kernel where the CPU has AVX512_BF16 (q, k, v and the softmax weights rounded to bf16, every sum in fp32),
+    else `causal_attention`, whose weights stay fp32 (the same numbers to a weight's bf16 rounding).
+    q (T, H, D), k/v (T, K, D) -> (T, H*D)."""
+    if kernels.prompt_attention_bf16_here(q.shape[-1]) and not torch.is_grad_enabled():
+        return kernels.prompt_attention_bf16(q, k, v, q.shape[-1] ** -0.5)
+    return causal_attention(q[None], k[None], v[None], 0)[0]
+
+
+def no_cache_backend(key_mask: Tensor | None = None, bf16: bool = False) -> KVBackend:
+    """The backend with no memory: each forward attends over exactly its own tokens. `bf16`: a bf16 model on the
+    compiled road, whose prompts take `bf16_prompt_attention`."""
+    if bf16 and key_mask is None:
+        return lambda layer, q, k, v: torch.stack([bf16_prompt_attention(*row) for row in zip(q, k, v)])
     return lambda layer, q, k, v: causal_attention(q, k, v, 0, key_mask)

@@ -44,7 +44,7 @@ from ..config import nanoserve_home
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-SOURCES = [SOURCE, CSRC / "quant.cpp", CSRC / "int8.cpp", CSRC / "step.cpp",
+SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "quant.cpp", CSRC / "int8.cpp", CSRC / "step.cpp",
            CSRC / "module.cpp"]  # one extension, and its header:
 HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
@@ -211,6 +211,24 @@ def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, query_start_loc: 
         return handle_torch_function(paged_attention, args, *args, scale, split_keys)
     return _ext().paged_attention(q.contiguous(), k_pool, v_pool, query_start_loc, seq_lens, block_tables, scale,
                                   split_keys)
+
+
+PROMPT_BF16_HEAD_DIMS = (64, 128)
+"""The head sizes `prompt_attention_bf16` is built for (its value sums keep a row's D outputs in registers)."""
+
+
+def prompt_attention_bf16_here(head_dim: int) -> bool:
+    """Whether `prompt_attention_bf16` runs here for heads of head_dim: the kernels built, a CPU with AVX512_BF16."""
+    module = load()
+    return head_dim in PROMPT_BF16_HEAD_DIMS and module is not None and module.prompt_attention_bf16_here()
+
+
+def prompt_attention_bf16(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """A whole prompt's causal attention with bf16 products: q, k, v and the softmax weights rounded to bf16,
+    every sum in fp32 (csrc/attention_bf16.cpp). q (T, H, D), k/v (T, K, D), fp32, dims consecutive -> (T, H*D)."""
+    if has_torch_function((q, k, v)):
+        return handle_torch_function(prompt_attention_bf16, (q, k, v), q, k, v, scale)
+    return _ext().prompt_attention_bf16(q, k, v, scale)
 
 
 def _ext() -> ModuleType:

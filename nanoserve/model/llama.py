@@ -64,8 +64,8 @@ class Block(nn.Module):
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
         q, k, v = rope_qk(qkv, cos, sin, H, K, compiled)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
-        if self.kv_dtype is not None and self.kv_dtype != k.dtype:  # what a bf16 cache holds, on every road
-            k, v = k.to(self.kv_dtype).to(k.dtype), v.to(self.kv_dtype).to(v.dtype)
+        if self.kv_dtype is not None and self.kv_dtype != k.dtype:  # a bf16 cache's numbers, q's too, on every road
+            q, k, v = (x.to(self.kv_dtype).to(x.dtype) for x in (q, k, v))
         return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo, compiled)
 
     def mlp(self, h: Tensor, compiled: bool = False) -> Tensor:
@@ -130,7 +130,7 @@ class Llama(nn.Module):
         B, T = ids.shape
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
-        kv = kv or no_cache_backend()
+        kv = kv or no_cache_backend(bf16=compiled and self.kv_dtype == torch.bfloat16)
         cos, sin = self.rope(positions)  # (B, T, 1, D) each, in the model's dtype
         x = embedding(ids, self.embed, self.dtype)  # (B, T, C)
         for i, block in enumerate(self.layers):

@@ -65,19 +65,6 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-// Tasks 0..n-1 handed out one at a time to whichever of torch's threads is free, each thread calling
-// work(task, scratch) with a scratch of its own: tasks of unequal size (a row's pieces and its short last piece,
-// requests of different lengths) then end together, where fixed runs of tasks would leave one thread the long
-// ones. Which thread computes a task never changes its numbers.
-template <class Scratch, class Work>
-void for_each_task(int64_t n, const Work& work) {
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t task = next++; task < n; task = next++) work(task, scratch);
-  });
-}
-
 // The largest of x[0..n) (n >= 1), LANES at a time: exact, so any order gives the same number.
 inline float max_of(const float* x, int64_t n) {
   float m = x[0];

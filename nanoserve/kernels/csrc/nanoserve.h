@@ -1,9 +1,12 @@
 // The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
-// attention), quant.cpp (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call) and
-// module.cpp (the Python bindings).
+// attention), attention_bf16.cpp (a prompt's attention with bf16 products), quant.cpp (the product on GGUF blocks),
+// step.cpp (a model on blocks stepped by one call) and module.cpp (the Python bindings).
 #pragma once
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -22,6 +25,9 @@ torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::stri
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road);
 std::string int8_road();
 std::vector<std::string> int8_roads();
+// A whole prompt's causal attention with bf16 products (attention_bf16.cpp), and whether this CPU can run it.
+torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
+bool prompt_attention_bf16_here();
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
@@ -57,3 +63,16 @@ class BlockModel {
   int64_t L_, H_, K_, C_, I_;
   float eps_;
 };
+
+// Tasks 0..n-1 handed out one at a time to whichever of torch's threads is free, each thread calling
+// work(task, scratch) with a scratch of its own: tasks of unequal size (a row's pieces and its short last piece,
+// requests of different lengths) then end together, where fixed runs of tasks would leave one thread the long
+// ones. Which thread computes a task never changes its numbers.
+template <class Scratch, class Work>
+void for_each_task(int64_t n, const Work& work) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t task = next++; task < n; task = next++) work(task, scratch);
+  });
+}
