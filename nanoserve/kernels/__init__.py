@@ -155,21 +155,24 @@ def use_kernels(dtype: torch.dtype, want: bool | None = None) -> bool:
     return True
 
 
-def fits(*tensors: Tensor) -> bool:
-    """Whether the kernels take these tensors: contiguous fp32 on the CPU, no gradient wanted."""
+def fits(*tensors: Tensor, bf16: bool = False) -> bool:
+    """Whether the kernels take these tensors: contiguous fp32 (or, with bf16, bf16) on the CPU, no gradient wanted."""
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     return not torch.is_grad_enabled() and all(
-        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+        t.dtype in dtypes and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
 
 
 # The calls. Each goes through handle_torch_function, as torch's own ops do, so tools that watch torch
 # calls (the Day 12 profiler) see it by name.
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """(x + residual, rms_norm(x + residual) * weight); with residual None, (x, rms_norm(x) * weight)."""
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
+                 h_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """(x + residual, rms_norm(x + residual) * weight); with residual None, (x, rms_norm(x) * weight). x fp32,
+    residual fp32 or bf16 (a bf16 product's output); the norm comes back in h_dtype (bf16: rounded once)."""
     args = (x, weight) if residual is None else (x, residual, weight)
     if has_torch_function(args):
-        return handle_torch_function(add_rms_norm, args, x, residual, weight, eps)
-    return _ext().add_rms_norm(x, residual, weight, eps)
+        return handle_torch_function(add_rms_norm, args, x, residual, weight, eps, h_dtype)
+    return _ext().add_rms_norm(x, residual, weight, eps, h_dtype == torch.bfloat16)
 
 
 def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
@@ -181,7 +184,7 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
-    """gate_up (..., 2I) -> silu(gate) * up (..., I)."""
+    """gate_up (..., 2I) -> silu(gate) * up (..., I), in gate_up's dtype (bf16: computed in fp32, rounded once)."""
     if has_torch_function((gate_up,)):
         return handle_torch_function(silu_mul, (gate_up,), gate_up)
     return _ext().silu_mul(gate_up)

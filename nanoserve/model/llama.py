@@ -50,10 +50,15 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, compiled: bool = False) -> Tensor:
         """x (B, T, C) -> (B, T, C): x + attention(norm(x)), then that + mlp(norm(that))."""
-        eps = self.cfg.rms_norm_eps
-        x, h = add_rms_norm(x, None, self.attn_norm, eps, compiled)
-        x, h = add_rms_norm(x, self.attention(h, cos, sin, layer, kv, compiled), self.mlp_norm, eps, compiled)
-        return x + self.mlp(h, compiled)
+        eps, hd = self.cfg.rms_norm_eps, self.product_dtype
+        x, h = add_rms_norm(x, None, self.attn_norm, eps, compiled, hd)
+        x, h = add_rms_norm(x, self.attention(h, cos, sin, layer, kv, compiled), self.mlp_norm, eps, compiled, hd)
+        return x + self.mlp(h, compiled)  # (a bf16 product's output widened by the add)
+
+    @property
+    def product_dtype(self) -> torch.dtype:
+        """What the block's products take and give: bf16 for bf16 matrices (Day 42), else fp32."""
+        return torch.bfloat16 if self.wqkv.dtype == torch.bfloat16 else torch.float32
 
     def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend,
                   compiled: bool = False) -> Tensor:
@@ -62,7 +67,7 @@ class Block(nn.Module):
         cfg = self.cfg
         B, T, _ = h.shape
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        qkv = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
+        qkv = linear(h, self.wqkv, compiled).float().view(B, T, H + 2 * K, D)  # every head's q, k, v, in fp32
         q, k, v = rope_qk(qkv, cos, sin, H, K, compiled)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
         if self.kv_dtype is not None and self.kv_dtype != k.dtype:  # a bf16 cache's numbers, q's too, on every road
             q, k, v = (x.to(self.kv_dtype).to(x.dtype) for x in (q, k, v))

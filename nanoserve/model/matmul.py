@@ -12,8 +12,9 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
 - two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
-- bf16 matrices (`Llama.cast_matrices`) and fp32 x: x rounded to bf16, oneDNN's bf16 product for any row
-  count where it has a packed copy, F.linear otherwise (`bf16_road`); the output back in fp32.
+- bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32, oneDNN's bf16 product for any row
+  count where it has a packed copy, F.linear otherwise (`bf16_road`); the output stays bf16, widened by
+  whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
@@ -242,8 +243,7 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
             return bag_linear(x, w)
         if ONEDNN and not torch.is_grad_enabled():
             return onednn_linear(x, w)
-    if w.dtype == torch.bfloat16 and x.dtype != w.dtype:  # bf16 matrices: x rounded to bf16, fp32 sums, bf16 out
-        xb = x.to(w.dtype)
-        out = onednn_linear(xb, w) if packed(w) is not None and not torch.is_grad_enabled() else F.linear(xb, w)
-        return out.to(x.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
+    if w.dtype == torch.bfloat16:  # bf16 matrices: x in bf16 (rounded here if fp32), fp32 sums, bf16 out
+        xb = x.to(w.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
+        return onednn_linear(xb, w) if packed(w) is not None and not torch.is_grad_enabled() else F.linear(xb, w)
     return F.linear(x, w)

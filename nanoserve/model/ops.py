@@ -30,14 +30,15 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
-                 compiled: bool = False) -> tuple[Tensor, Tensor]:
-    """The residual stream's step: (x + residual, its rms_norm); with residual None, (x, rms_norm(x))."""
-    if compiled and kernels.fits(x, weight, *([] if residual is None else [residual])):
-        return kernels.add_rms_norm(x, residual, weight, eps)
+def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, compiled: bool = False,
+                 h_dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """The residual stream's step: (x + residual, its rms_norm); with residual None, (x, rms_norm(x)).
+    residual may be a bf16 product's output; h_dtype bf16 rounds the norm once for bf16 products (Day 42)."""
+    if compiled and kernels.fits(x, weight) and (residual is None or kernels.fits(residual, bf16=True)):
+        return kernels.add_rms_norm(x, residual, weight, eps, h_dtype)
     if residual is not None:
         x = x + residual
-    return x, rms_norm(x, weight, eps)
+    return x, rms_norm(x, weight, eps).to(h_dtype)
 
 
 def rope_frequencies(cfg: ModelConfig) -> Tensor:
@@ -88,8 +89,9 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int
 
 
 def silu_mul(gate_up: Tensor, compiled: bool = False) -> Tensor:
-    """SwiGLU's middle: gate_up (..., 2I), the gate and up projections side by side -> silu(gate) * up (..., I)."""
-    if compiled and kernels.fits(gate_up):
+    """SwiGLU's middle: gate_up (..., 2I), the gate and up projections side by side -> silu(gate) * up (..., I),
+    in gate_up's dtype."""
+    if compiled and kernels.fits(gate_up, bf16=True):
         return kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    gate, up = gate_up.float().chunk(2, dim=-1)  # bf16 (a bf16 product's output): computed in fp32, rounded once
+    return (F.silu(gate) * up).to(gate_up.dtype)

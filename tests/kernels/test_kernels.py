@@ -65,11 +65,42 @@ def test_silu_mul_is_swiglu_including_far_out_inputs(compiled):
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
 
 
+def bf16_case(n: int = 9, C: int = 200) -> torch.Tensor:
+    """Numbers with ties, a NaN and infinities among them: what the narrowing to bf16 must round as torch does."""
+    x = torch.randn(n, C, generator=torch.Generator().manual_seed(3)) * 4
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0 + 2 ** -8])  # 1 + 2^-8: a tie
+    return x
+
+
+def test_silu_mul_in_bf16_is_the_fp32_loop_rounded_once(compiled):
+    """A bf16 model's gate_up comes back from its product in bf16 and its down product takes bf16: the kernel
+    gives the bits of widening, the fp32 loop, and torch's rounding to bf16 (no second rounding anywhere)."""
+    gate_up = bf16_case(9, 2 * 100).bfloat16()
+    out = kernels.silu_mul(gate_up)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, kernels.silu_mul(gate_up.float()).bfloat16(), atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(model_ops.silu_mul(gate_up, compiled=False)[1:], F.silu(gate_up[1:, :100].float()).mul(
+        gate_up[1:, 100:].float()).bfloat16())  # torch's road: the same arithmetic in torch's ops
+
+
+def test_add_rms_norm_widens_a_bf16_residual_and_rounds_h_once(compiled):
+    x = bf16_case()[1:]
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).bfloat16()
+    w = torch.rand(x.shape[1], generator=torch.Generator().manual_seed(5)) + 0.5
+    out, h = kernels.add_rms_norm(x, r, w, 1e-5, torch.bfloat16)
+    out32, h32 = kernels.add_rms_norm(x, r.float(), w, 1e-5)
+    assert h.dtype == torch.bfloat16 and torch.equal(out, out32) and torch.equal(h, h32.bfloat16())
+    assert torch.equal(kernels.add_rms_norm(x, None, w, 1e-5, torch.bfloat16)[1], kernels.add_rms_norm(
+        x, None, w, 1e-5)[1].bfloat16())
+
+
 def test_the_kernels_refuse_the_wrong_dtype_or_layout(compiled):
     with pytest.raises(RuntimeError, match="x: expected a float32 CPU tensor"):
         kernels.add_rms_norm(torch.ones(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)
-    with pytest.raises(RuntimeError, match="gate_up: expected a contiguous tensor"):
+    with pytest.raises(RuntimeError, match="gate_up: expected a contiguous float32 or bfloat16 CPU tensor"):
         kernels.silu_mul(torch.ones(8, 4).t())
+    with pytest.raises(RuntimeError, match="residual: expected a contiguous float32 or bfloat16 tensor"):
+        kernels.add_rms_norm(torch.ones(2, 8), torch.ones(2, 8, dtype=torch.float16), torch.ones(8), 1e-5)
     with pytest.raises(RuntimeError, match="weight: expected 8 numbers, got 7"):
         kernels.add_rms_norm(torch.ones(2, 8), None, torch.ones(7), 1e-5)
     with pytest.raises(RuntimeError, match="residual: shape"):

@@ -32,13 +32,6 @@ constexpr int64_t MR = 8;   // query rows per task, all of one head
 constexpr int64_t KB = 16;  // keys per register of scores
 constexpr int64_t KC = 64;  // keys per softmax update
 
-// x rounded to the nearest bf16 (ties to even), as its 16 bits.
-inline uint16_t bf16_bits(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
-
 inline int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 struct Packed {
@@ -62,12 +55,12 @@ Packed pack(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < H; ++h)
-        for (int64_t d = 0; d < D; ++d) p.q[(h * Tq + t) * D + d] = bf16_bits(qd[t * qt + h * qh + d]);
+        for (int64_t d = 0; d < D; ++d) p.q[(h * Tq + t) * D + d] = narrow_bf16(qd[t * qt + h * qh + d]);
       for (int64_t g = 0; g < K; ++g)
         for (int64_t d = 0; d < D; ++d) {
           p.k[(((g * (Tk / KB) + t / KB) * (D / 2) + d / 2) * KB + t % KB) * 2 + d % 2] =
-              bf16_bits(kd[t * kt + g * kh + d]);
-          p.v[((g * (Tk / 2) + t / 2) * D + d) * 2 + t % 2] = bf16_bits(vd[t * vt + g * vh + d]);
+              narrow_bf16(kd[t * kt + g * kh + d]);
+          p.v[((g * (Tk / 2) + t / 2) * D + d) * 2 + t % 2] = narrow_bf16(vd[t * vt + g * vh + d]);
         }
     }
   });

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -96,8 +97,6 @@ inline float sum_of(const float* x, int64_t n) {
 // one widens it to float exactly: a shift, which vectorizes; every sum after it is the fp32 loop's.
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
 typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
 inline vec load_lanes(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline vec load_lanes(const uint16_t* p) {
   return reinterpret_cast<vec>(__builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16);
@@ -227,40 +226,90 @@ void check_f32(const torch::Tensor& t, const char* name) {
 
 }  // namespace
 
+namespace {
+
+// A row of bf16 (uint16_t) widened into floats, and floats narrowed into bf16, LANES at a time (the narrowing's
+// NaN test as a lane select, so the loop stays vector code).
+void widen_row(const uint16_t* x, int64_t n, float* out) {
+  int64_t c = 0;
+  for (; c + LANES <= n; c += LANES) *reinterpret_cast<vec*>(out + c) = load_lanes(x + c);
+  for (; c < n; ++c) out[c] = widen(x[c]);
+}
+
+void narrow_row(const float* x, int64_t n, uint16_t* out) {
+  int64_t c = 0;
+  for (; c + LANES <= n; c += LANES) {
+    const uvec u = *reinterpret_cast<const uvec*>(x + c);
+    const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const auto nan = (u & 0x7fffffffu) > 0x7f800000u;
+    *reinterpret_cast<hvec*>(out + c) = __builtin_convertvector(nan ? (u >> 16) | 0x40u : rounded, hvec);
+  }
+  for (; c < n; ++c) out[c] = narrow_bf16(x[c]);
+}
+
 // Rows i < n of (x + residual, rms_norm(x + residual) * weight), C numbers each, into out and h; with residual
-// null, out is not written (x is the stream as it is).
-void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
-                       float* out, float* h) {
+// null, out is not written (x is the stream as it is). A bf16 model's residual (its product's output) is widened
+// and its h (its next product's input) narrowed once, a row at a time through `row`'s floats.
+template <class R, class H>
+void add_rms_norm_rows_t(const float* x, const R* residual, const float* weight, int64_t n, int64_t C, float eps,
+                         float* out, H* h) {
+  std::vector<float> row(std::is_same_v<R, float> && std::is_same_v<H, float> ? 0 : C);
   for (int64_t i = 0; i < n; ++i) {
     const float* o = x + i * C;
     if (residual) {
       float* oi = out + i * C;
-      const float* b = residual + i * C;
+      const float* b;
+      if constexpr (std::is_same_v<R, float>) b = residual + i * C;
+      else widen_row(residual + i * C, C, row.data()), b = row.data();
       for (int64_t c = 0; c < C; ++c) oi[c] = o[c] + b[c];
       o = oi;
     }
     const float inv = 1.0f / std::sqrt(dot(o, o, C) / static_cast<float>(C) + eps);
-    float* hi = h + i * C;
+    float* hi;
+    if constexpr (std::is_same_v<H, float>) hi = h + i * C;
+    else hi = row.data();
     for (int64_t c = 0; c < C; ++c) hi[c] = (o[c] * inv) * weight[c];
+    if constexpr (!std::is_same_v<H, float>) narrow_row(hi, C, h + i * C);
   }
 }
 
-// (x + residual, rms_norm(x + residual) * weight) over the last dim; residual may be None (then x as is).
+}  // namespace
+
+void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
+                       float* out, float* h) {
+  add_rms_norm_rows_t(x, residual, weight, n, C, eps, out, h);
+}
+
+// (x + residual, rms_norm(x + residual) * weight) over the last dim; residual may be None (then x as is). x is
+// fp32; residual fp32 or bf16; h comes back in h_bf16 ? bf16 : fp32.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps) {
+                                                      torch::Tensor weight, double eps, bool h_bf16) {
   check_f32(x, "x");
   check_f32(weight, "weight");
   const int64_t C = x.size(-1), N = x.numel() / C;
   TORCH_CHECK(weight.numel() == C, "weight: expected ", C, " numbers, got ", weight.numel());
   torch::Tensor out = x;
+  const bool r_bf16 = residual.has_value() && residual->scalar_type() == torch::kBFloat16;
   if (residual.has_value()) {
-    check_f32(*residual, "residual");
+    TORCH_CHECK(residual->is_contiguous() && (r_bf16 || residual->scalar_type() == torch::kFloat32),
+                "residual: expected a contiguous float32 or bfloat16 tensor, got ", residual->scalar_type());
     TORCH_CHECK(residual->sizes() == x.sizes(), "residual: shape ", residual->sizes(), " is not x's ", x.sizes());
     out = torch::empty_like(x);
   }
-  auto h = torch::empty_like(x);
-  add_rms_norm_rows(x.data_ptr<float>(), residual.has_value() ? residual->data_ptr<float>() : nullptr,
-                    weight.data_ptr<float>(), N, C, static_cast<float>(eps), out.data_ptr<float>(), h.data_ptr<float>());
+  auto h = torch::empty(x.sizes(), x.options().dtype(h_bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const void* r = residual.has_value() ? residual->data_ptr() : nullptr;
+  auto rows = [&](auto* hp) {
+    if (r_bf16)
+      add_rms_norm_rows_t(x.data_ptr<float>(), static_cast<const uint16_t*>(r), weight.data_ptr<float>(), N, C,
+                          static_cast<float>(eps), out.data_ptr<float>(), hp);
+    else
+      add_rms_norm_rows_t(x.data_ptr<float>(), static_cast<const float*>(r), weight.data_ptr<float>(), N, C,
+                          static_cast<float>(eps), out.data_ptr<float>(), hp);
+  };
+  if (h_bf16)
+    rows(reinterpret_cast<uint16_t*>(h.data_ptr()));
+  else
+    rows(h.data_ptr<float>());
   return {out, h};
 }
 
@@ -295,30 +344,57 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
   rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), N, HT, heads, D);
 }
 
-// SwiGLU's middle for n rows: gate_up (n, 2I) -> silu(gate) * up (n, I).
+namespace {
+
+// SwiGLU's middle for rows begin..end-1: gate_up (n, 2I) -> silu(gate) * up (n, I).
+void silu_mul_range(const float* gate_up, int64_t begin, int64_t end, int64_t I, float* out) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float* gi = gate_up + i * 2 * I;
+    const float* ui = gi + I;
+    float* oi = out + i * I;
+    for (int64_t c = 0; c < I; ++c) {
+      const float x = gi[c];
+      oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
+    }
+  }
+}
+
+int64_t silu_grain(int64_t I) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)); }
+
+}  // namespace
+
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out) {
-  at::parallel_for(0, n, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, silu_grain(I), [&](int64_t begin, int64_t end) { silu_mul_range(gate_up, begin, end, I, out); });
+}
+
+// The same for a bf16 model, whose gate_up product returns bf16 and whose down product takes bf16: each row
+// widened, computed by the float loop, narrowed once.
+void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t* out) {
+  at::parallel_for(0, n, silu_grain(I), [&](int64_t begin, int64_t end) {
+    std::vector<float> in(2 * I), row(I);
     for (int64_t i = begin; i < end; ++i) {
-      const float* gi = gate_up + i * 2 * I;
-      const float* ui = gi + I;
-      float* oi = out + i * I;
-      for (int64_t c = 0; c < I; ++c) {
-        const float x = gi[c];
-        oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
-      }
+      widen_row(gate_up + i * 2 * I, 2 * I, in.data());
+      silu_mul_range(in.data(), 0, 1, I, row.data());
+      narrow_row(row.data(), I, out + i * I);
     }
   });
 }
 
-// SwiGLU's middle: gate_up (..., 2I) -> silu(gate) * up (..., I).
+// SwiGLU's middle: gate_up (..., 2I) -> silu(gate) * up (..., I), in gate_up's dtype (float32 or bfloat16).
 torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32(gate_up, "gate_up");
+  const bool bf16 = gate_up.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.is_contiguous() && (bf16 || gate_up.scalar_type() == torch::kFloat32),
+              "gate_up: expected a contiguous float32 or bfloat16 CPU tensor, got ", gate_up.scalar_type());
   const int64_t I2 = gate_up.size(-1), I = I2 / 2, N = gate_up.numel() / I2;
   TORCH_CHECK(I2 % 2 == 0, "gate_up: last dim ", I2, " is not even");
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   auto out = torch::empty(sizes, gate_up.options());
-  silu_mul_rows(gate_up.data_ptr<float>(), N, I, out.data_ptr<float>());
+  if (bf16)
+    silu_mul_rows_bf16(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), N, I,
+                       reinterpret_cast<uint16_t*>(out.data_ptr()));
+  else
+    silu_mul_rows(gate_up.data_ptr<float>(), N, I, out.data_ptr<float>());
   return out;
 }
 

@@ -7,12 +7,24 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
 
+// bf16 held as uint16_t (a float's top half): widened to float exactly, and a float narrowed to the nearest bf16
+// (ties to even, a NaN kept a NaN), as torch's .to(torch.bfloat16) rounds.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return __builtin_bit_cast(float, static_cast<uint32_t>(x) << 16); }
+inline uint16_t narrow_bf16(float x) {
+  const uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps);
+                                                      torch::Tensor weight, double eps, bool h_bf16);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
