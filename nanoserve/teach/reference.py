@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-NEAR_TIE = 1e-3
-"""A reference top1 - top2 logit gap below this is a genuine near-tie: there two correct paths may part."""
+from ..bench.numerics import NEAR_TIE  # the one definition: a gap below it is a genuine near-tie
 
 
 def load_reference(folder: str | Path | None = None):

@@ -84,7 +84,8 @@ def test_on_the_kernels_the_step_forms_agree_to_fp32_rounding(compiled):
 
 
 def test_the_kernels_take_only_what_fits(compiled, monkeypatch):
-    """fp32, contiguous, on the CPU, no gradient wanted: anything else runs the torch definition."""
+    """fp32 (or bf16 from and for a bf16 product), contiguous, on the CPU, no gradient wanted: anything else runs the
+    torch definition."""
     x, r, w, qkv, cos, sin, gate_up = step_inputs()
 
     def refuse(*args, **kwargs):
@@ -96,7 +97,8 @@ def test_the_kernels_take_only_what_fits(compiled, monkeypatch):
         assert not kernels.fits(x.double()) and not kernels.fits(x.transpose(0, 1))
         add_rms_norm(x.double(), None, w.double(), 1e-5, compiled=True)
         add_rms_norm(x.transpose(0, 1), None, w, 1e-5, compiled=True)
-        silu_mul(gate_up.bfloat16(), compiled=True)
+        silu_mul(gate_up.half(), compiled=True)
+        add_rms_norm(x, r.half(), w, 1e-5, compiled=True)
         rope_qk(qkv, cos.transpose(0, 1).contiguous().transpose(0, 1), sin, 4, 2, compiled=True)  # a strided cos
         assert kernels.fits(x)
     with torch.enable_grad():
