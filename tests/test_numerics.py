@@ -9,7 +9,7 @@ import torch
 from prompts import NEAR_TIE, PROMPTS, prompt_ids
 
 import nanoserve
-from nanoserve import LLM, SamplingParams, generate
+from nanoserve import LLM, SamplingParams, generate, kernels
 from nanoserve.cli import build_parser
 from nanoserve.engine import LLMEngine
 from nanoserve.kernels import int8
@@ -145,7 +145,14 @@ def test_bf16_is_opt_in_and_says_so(model_dir, dense):
     assert build_parser().parse_args(["serve", "--dtype", "bfloat16"]).dtype == "bfloat16"
 
 
-def test_bf16_logits_are_within_tolerance_of_fp32(dense, tok):
+@pytest.mark.parametrize("prompt_kernel", [True, False])
+def test_bf16_logits_are_within_tolerance_of_fp32(dense, tok, prompt_kernel, monkeypatch):
+    """On both roads of a bf16 prompt's attention: the kernel with bf16 products (where the CPU has AVX512_BF16)
+    and torch's attention with fp32 weights (every other CPU's road, taken here by switching the kernel off)."""
+    if prompt_kernel and not kernels.prompt_attention_bf16_here(dense[1].cfg.head_dim):
+        pytest.skip("no AVX512_BF16 here: the other case is this CPU's road")
+    if not prompt_kernel:
+        monkeypatch.setattr(kernels, "prompt_attention_bf16_here", lambda head_dim: False)
     for name, worst, mean in logit_errors(*dense, tok):
         assert 0 < worst <= BF16_MAX and mean <= BF16_MEAN, name
 
