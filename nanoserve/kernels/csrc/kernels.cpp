@@ -224,10 +224,6 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-}  // namespace
-
-namespace {
-
 // A row of bf16 (uint16_t) widened into floats, and floats narrowed into bf16, LANES at a time (the narrowing's
 // NaN test as a lane select, so the loop stays vector code).
 void widen_row(const uint16_t* x, int64_t n, float* out) {
