@@ -50,7 +50,10 @@ def replay_engine(engine: LLMEngine, w: Workload, arrivals: Sequence[float], rat
 
 
 def start_hf_manager(hf_model, w: Workload):
-    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed)."""
+    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed). Its
+    cache holds every request of w at once, so it never waits for room; left to size itself on a CPU, it takes most
+    of the machine's RAM whatever other processes hold, and the kernel can kill one of them."""
+    from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = copy.deepcopy(hf_model.generation_config)
@@ -58,7 +61,10 @@ def start_hf_manager(hf_model, w: Workload):
                   max_new_tokens=max(w.max_tokens))
     hints = WorkloadHints(max_prompt_length=max(len(p) for p in w.prompts),
                           max_generated_length=max(w.max_tokens), num_requests=len(w.prompts))
-    manager = hf_model.init_continuous_batching(generation_config=config, workload_hints=hints)
+    cb = ContinuousBatchingConfig()
+    cb.num_blocks = sum(-(-(len(p) + n) // cb.page_size) for p, n in zip(w.prompts, w.max_tokens)) + 1
+    manager = hf_model.init_continuous_batching(generation_config=config, continuous_batching_config=cb,
+                                                workload_hints=hints)
     manager.start()
     try:
         replay_hf_continuous(manager, Workload("warm", [w.prompts[0][:8]], [2]), [0.0])
