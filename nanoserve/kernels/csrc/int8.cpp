@@ -535,13 +535,14 @@ ROAD_FN void tile(const uint8_t* w, int64_t row_bytes, int rows, const Acts& a, 
   if (left > 8) step<F, R, 2>(row, t + 2, std::min<int64_t>(4, left - 8), a, r0, acc);
   if (left > 12) step<F, R, 3>(row, t + 3, left - 12, a, r0, acc);
   // the tree, four rows at once: lane 4j of v ends with row j's result
-  const __mmask16 store = static_cast<__mmask16>(0x1111u & ((1u << (4 * rows)) - 1));
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     __m512 v = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]));
     v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)));  // + 2 along
     v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));  // + 1 along
-    _mm512_mask_compressstoreu_ps(out + r * ldo, store, v);
+    alignas(64) float lanes[16];  // stored whole and picked: a compressing store is microcoded and slow on Zen 4
+    _mm512_store_ps(lanes, v);
+    for (int j = 0; j < rows; ++j) out[r * ldo + j] = lanes[4 * j];
   }
 }
 
