@@ -242,7 +242,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         extra["transformers"] = importlib.metadata.version("transformers")
     if "llama-server" in systems:
         extra["llama_server"] = llama_server_version(llama_server_path())
-    meta = csv_header(argv, **extra)  # the machine line: its load when the run started
+    meta = csv_header(argv, **extra)
     server_options = engine_argv(args) + ["--weights", args.weights] + (["--threads", str(args.threads)]
                                                                         if args.threads else [])
     replays: list[Replay] = []

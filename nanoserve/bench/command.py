@@ -40,10 +40,15 @@ def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = 
         EngineConfig.add_cli_arguments(ap)
 
 
+_started: dict[str, str] = {}  # the machine line as `start` saw it, before the run's own work loaded the machine
+
+
 def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
-    """Set torch's threads if asked, warn when other work shares the machine, and with `model` load the model."""
+    """Set torch's threads if asked, note the machine and its load before the run, warn when other work shares
+    the machine, and with `model` load the model."""
     if args.threads:
         torch.set_num_threads(args.threads)
+    _started["machine"] = machine_line()
     busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     if busy > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
@@ -74,8 +79,10 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 
 def csv_header(argv: Sequence[str], **extra: Any) -> dict[str, Any]:
-    """A measured CSV's header: its command as typed, its machine, the run's settings (`extra`)."""
-    return {"command": shlex.join(["python", "-m", "nanoserve", *argv]), "machine": machine_line(), **extra}
+    """A measured CSV's header: its command as typed, its machine (its load when `start` ran, not the run's own),
+    the run's settings (`extra`)."""
+    machine = _started.get("machine") or machine_line()
+    return {"command": shlex.join(["python", "-m", "nanoserve", *argv]), "machine": machine, **extra}
 
 
 def report(out: object, meta: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],

@@ -13,6 +13,7 @@ from nanoserve.bench.command import (
     engine_argv,
     engine_config,
     report,
+    start,
     table,
 )
 from nanoserve.bench.machine import cpu_model
@@ -31,6 +32,16 @@ def test_csv_header_round_trips_through_the_csv(tmp_path):
     back, _ = csvio.read_csv(csvio.write_csv(tmp_path / "x.csv", [{"a": 1}], meta))
     assert back == {"command": "python -m nanoserve bench paged", "machine": meta["machine"], "clock": "cpu",
                     "threads": "1"}
+
+
+def test_the_header_gives_the_load_before_the_run_not_the_runs_own(monkeypatch):
+    from nanoserve.bench import command
+
+    monkeypatch.setattr(command, "_started", {})
+    monkeypatch.setattr(command, "machine_line", lambda: "cpu | load avg 0.1 0.1 0.1")
+    start(argparse.Namespace(threads=None), model=False)
+    monkeypatch.setattr(command, "machine_line", lambda: "cpu | load avg 2.0 1.8 1.6")  # the run's own load
+    assert csv_header(["bench", "numerics"])["machine"] == "cpu | load avg 0.1 0.1 0.1"
 
 
 def test_engine_options_have_engine_configs_defaults_and_reach_a_subprocess():
