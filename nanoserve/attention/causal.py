@@ -73,6 +73,7 @@ def bf16_prompt_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 def no_cache_backend(key_mask: Tensor | None = None, bf16: bool = False) -> KVBackend:
     """The backend with no memory: each forward attends over exactly its own tokens. `bf16`: a bf16 model on the
     compiled road, whose prompts take `bf16_prompt_attention`."""
-    if bf16 and key_mask is None:
-        return lambda layer, q, k, v: torch.stack([bf16_prompt_attention(*row) for row in zip(q, k, v)])
+    if bf16 and key_mask is None:  # (one prompt, the usual case, needs no stack)
+        return lambda layer, q, k, v: (bf16_prompt_attention(q[0], k[0], v[0])[None] if len(q) == 1 else
+                                       torch.stack([bf16_prompt_attention(*row) for row in zip(q, k, v)]))
     return lambda layer, q, k, v: causal_attention(q, k, v, 0, key_mask)

@@ -175,11 +175,12 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     return _ext().add_rms_norm(x, residual, weight, eps, h_dtype == torch.bfloat16)
 
 
-def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> Tensor:
-    """Rotate the first `heads` heads of qkv (N, heads_total, D) in place by cos/sin (N, D); returns qkv."""
+def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, round_bf16: bool = False) -> Tensor:
+    """Rotate the first `heads` heads of qkv (N, heads_total, D) in place by cos/sin (N, D); with round_bf16, then
+    round all of qkv to bf16's numbers (kept fp32) in the same call, as a bf16 K/V cache needs. Returns qkv."""
     if has_torch_function((qkv, cos, sin)):
-        return handle_torch_function(rope_, (qkv, cos, sin), qkv, cos, sin, heads)
-    _ext().rope_(qkv, cos, sin, heads)
+        return handle_torch_function(rope_, (qkv, cos, sin), qkv, cos, sin, heads, round_bf16)
+    _ext().rope_(qkv, cos, sin, heads, round_bf16)
     return qkv
 
 

@@ -69,9 +69,8 @@ class Block(nn.Module):
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         qkv = linear(h, self.wqkv, compiled).to(self.attn_norm.dtype)  # in the stream's dtype (bf16 matrices: fp32)
         qkv = qkv.view(B, T, H + 2 * K, D)  # every head's q, k, v side by side
-        q, k, v = rope_qk(qkv, cos, sin, H, K, compiled)  # (B, T, H, D), (B, T, K, D), (B, T, K, D)
-        if self.kv_dtype is not None and self.kv_dtype != k.dtype:  # a bf16 cache's numbers, q's too, on every road
-            q, k, v = (x.to(self.kv_dtype).to(x.dtype) for x in (q, k, v))
+        # (B, T, H, D), (B, T, K, D), (B, T, K, D); with a bf16 cache, its numbers, q's too, on every road
+        q, k, v = rope_qk(qkv, cos, sin, H, K, compiled, self.kv_dtype)
         return linear(kv(layer, q, k, v).view(B, T, H * D), self.wo, compiled)
 
     def mlp(self, h: Tensor, compiled: bool = False) -> Tensor:

@@ -75,17 +75,23 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int,
-            compiled: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int, compiled: bool = False,
+            round_to: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Split qkv (B, T, H + 2K, D) into q (B, T, H, D), k, v (B, T, K, D), with q and k rotated
-    (one call for both). The compiled road rotates them in qkv's own memory."""
+    (one call for both); with `round_to` (a bf16 K/V cache's dtype) all three rounded to its numbers, in
+    qkv's dtype. The compiled road rotates, and rounds to bf16, in qkv's own memory."""
     H, K = n_heads, n_kv_heads
     B, T, _, D = qkv.shape
-    if compiled and kernels.fits(qkv, cos, sin):
-        kernels.rope_(qkv.view(B * T, H + 2 * K, D), cos.reshape(B * T, D), sin.reshape(B * T, D), H + K)
+    round_to = None if round_to == qkv.dtype else round_to
+    if compiled and kernels.fits(qkv, cos, sin) and round_to in (None, torch.bfloat16):
+        kernels.rope_(qkv.view(B * T, H + 2 * K, D), cos.reshape(B * T, D), sin.reshape(B * T, D), H + K,
+                      round_bf16=round_to is not None)
         return qkv.split([H, K, K], dim=2)
     q, k = apply_rope(qkv[:, :, : H + K], cos, sin).split([H, K], dim=2)
-    return q, k, qkv[:, :, H + K:]
+    v = qkv[:, :, H + K:]
+    if round_to is not None:
+        q, k, v = (x.to(round_to).to(x.dtype) for x in (q, k, v))
+    return q, k, v
 
 
 def silu_mul(gate_up: Tensor, compiled: bool = False) -> Tensor:

@@ -55,6 +55,38 @@ def test_rope_rotates_the_q_and_k_heads_in_place_and_leaves_v(compiled):
     assert torch.equal(qkv[:, :, H + K:], v)
 
 
+def test_rope_rounding_to_bf16_is_torchs_rounding_bit_for_bit(compiled):
+    """round_bf16: q, k and v take a bf16 cache's numbers in the rope call, exactly as .to(bf16).to(fp32) gives
+    them: ties to even, infinities and NaNs, signed zeros, subnormals, an odd-sized tail."""
+    g = torch.Generator().manual_seed(4)
+    N, HT, D = 5, 3, 22  # 330 numbers: whole vector lanes, then a tail
+    qkv = torch.randn(N, HT, D, generator=g) * 10.0 ** torch.randint(-40, 38, (N, HT, D), generator=g)
+    flat = qkv.view(-1)
+    flat[:8] = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1 + 2**-8, 1 + 3 * 2**-8, 1e-40])
+    flat[-1] = float("nan")
+    flat[-2] = 1 + 2**-8
+    want = qkv.to(torch.bfloat16).to(torch.float32)
+    kernels.rope_(qkv, torch.ones(N, D), torch.zeros(N, D), 0, round_bf16=True)  # no head rotated: the rounding
+    nan = want.isnan()  # (a NaN stays a NaN; its payload bits are torch's own choice, vector or scalar)
+    assert torch.equal(qkv.isnan(), nan) and nan.sum() == 2
+    assert torch.equal(qkv[~nan].view(torch.int32), want[~nan].view(torch.int32))
+
+
+def test_rope_qk_rounds_to_a_bf16_cache_the_same_on_both_roads(compiled):
+    g = torch.Generator().manual_seed(5)
+    B, T, H, K, D = 2, 3, 6, 2, 16
+    qkv = torch.randn(B, T, H + 2 * K, D, generator=g)
+    angles = torch.rand(B, T, D // 2, generator=g) * 50
+    angles = torch.cat([angles, angles], -1)
+    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    for road in (False, True):  # each road: its own rotation's numbers, then exactly their bf16 rounding
+        rounded = model_ops.rope_qk(qkv.clone(), cos, sin, H, K, compiled=road, round_to=torch.bfloat16)
+        exact = model_ops.rope_qk(qkv.clone(), cos, sin, H, K, compiled=road)
+        assert all(torch.equal(a, b.to(torch.bfloat16).float()) for a, b in zip(rounded, exact))
+        assert all(torch.equal(a, b) for a, b in zip(exact, model_ops.rope_qk(qkv.clone(), cos, sin, H, K, road,
+                                                                      round_to=torch.float32)))
+
+
 def test_silu_mul_is_swiglu_including_far_out_inputs(compiled):
     g = torch.Generator().manual_seed(2)
     gate_up = torch.randn(7, 2, 2 * 40, generator=g) * 4

@@ -328,8 +328,22 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_
   }
 }
 
-// Rotate the first `heads` heads of qkv (N, heads_total, D) in place by each token's cos/sin (N, D).
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads) {
+// Each of x's n floats rounded to the nearest bf16 and kept as a float (narrow_bf16, then widened exactly): what
+// .to(torch.bfloat16).to(torch.float32) gives, in place, in one pass.
+void round_bf16_(float* x, int64_t n) {
+  typedef uint32_t bits __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));  // x may be unaligned
+  int64_t c = 0;
+  for (; c + LANES <= n; c += LANES) {
+    bits& u = *reinterpret_cast<bits*>(x + c);
+    const bits rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
+    u = (u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) << 16 : rounded;
+  }
+  for (; c < n; ++c) x[c] = widen(narrow_bf16(x[c]));
+}
+
+// Rotate the first `heads` heads of qkv (N, heads_total, D) in place by each token's cos/sin (N, D); with
+// round_bf16, then round every head (q, k and v) to bf16, as a model whose K/V cache is bf16 sees them.
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool round_bf16) {
   check_f32(qkv, "qkv");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
@@ -338,6 +352,7 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
   TORCH_CHECK(0 <= heads && heads <= HT, "heads ", heads, " out of 0..", HT);
   TORCH_CHECK(cos.numel() == N * D && sin.numel() == N * D, "cos/sin: expected ", N, " x ", D, " numbers");
   rope_rows(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), N, HT, heads, D);
+  if (round_bf16) round_bf16_(qkv.data_ptr<float>(), qkv.numel());
 }
 
 namespace {

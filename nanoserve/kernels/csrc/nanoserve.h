@@ -24,7 +24,7 @@ inline uint16_t narrow_bf16(float x) {
 
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
                                                       torch::Tensor weight, double eps, bool h_bf16);
-void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads);
+void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool round_bf16);
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
