@@ -40,13 +40,18 @@ def test_add_rms_norm_is_the_residual_add_and_torch_rms_norm(compiled, with_resi
     torch.testing.assert_close(h, rms_norm(want, w, 1e-5), atol=2e-6, rtol=2e-6)
 
 
-def test_rope_rotates_the_q_and_k_heads_in_place_and_leaves_v(compiled):
-    g = torch.Generator().manual_seed(1)
-    B, T, H, K, D = 3, 4, 6, 2, 16
+def rope_inputs(seed: int, B: int, T: int, H: int, K: int, D: int):
+    """A random qkv (B, T, H + 2K, D) and cos/sin (B, T, 1, D) of random angles."""
+    g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(B, T, H + 2 * K, D, generator=g)
     angles = torch.rand(B, T, D // 2, generator=g) * 50
     angles = torch.cat([angles, angles], -1)
-    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    return qkv, angles.cos()[:, :, None], angles.sin()[:, :, None]
+
+
+def test_rope_rotates_the_q_and_k_heads_in_place_and_leaves_v(compiled):
+    B, T, H, K, D = 3, 4, 6, 2, 16
+    qkv, cos, sin = rope_inputs(1, B, T, H, K, D)
     want = apply_rope(qkv[:, :, : H + K], cos, sin)
     v = qkv[:, :, H + K:].clone()
     out = kernels.rope_(qkv.view(B * T, H + 2 * K, D), cos.reshape(B * T, D), sin.reshape(B * T, D), H + K)
@@ -73,12 +78,8 @@ def test_rope_rounding_to_bf16_is_torchs_rounding_bit_for_bit(compiled):
 
 
 def test_rope_qk_rounds_to_a_bf16_cache_the_same_on_both_roads(compiled):
-    g = torch.Generator().manual_seed(5)
-    B, T, H, K, D = 2, 3, 6, 2, 16
-    qkv = torch.randn(B, T, H + 2 * K, D, generator=g)
-    angles = torch.rand(B, T, D // 2, generator=g) * 50
-    angles = torch.cat([angles, angles], -1)
-    cos, sin = angles.cos()[:, :, None], angles.sin()[:, :, None]
+    H, K = 6, 2
+    qkv, cos, sin = rope_inputs(5, 2, 3, H, K, 16)
     for road in (False, True):  # each road: its own rotation's numbers, then exactly their bf16 rounding
         rounded = model_ops.rope_qk(qkv.clone(), cos, sin, H, K, compiled=road, round_to=torch.bfloat16)
         exact = model_ops.rope_qk(qkv.clone(), cos, sin, H, K, compiled=road)
