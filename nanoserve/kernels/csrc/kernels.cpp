@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -232,14 +233,17 @@ void widen_row(const uint16_t* x, int64_t n, float* out) {
   for (; c < n; ++c) out[c] = widen(x[c]);
 }
 
+// LANES floats' bits -> each one's bf16 (narrow_bf16, lane by lane) in the low half of its lane.
+inline uvec narrow_lanes(uvec u) {
+  const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
+}
+
 void narrow_row(const float* x, int64_t n, uint16_t* out) {
   int64_t c = 0;
-  for (; c + LANES <= n; c += LANES) {
-    const uvec u = *reinterpret_cast<const uvec*>(x + c);
-    const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const auto nan = (u & 0x7fffffffu) > 0x7f800000u;
-    *reinterpret_cast<hvec*>(out + c) = __builtin_convertvector(nan ? (u >> 16) | 0x40u : rounded, hvec);
-  }
+  for (; c + LANES <= n; c += LANES)
+    *reinterpret_cast<hvec*>(out + c) = __builtin_convertvector(narrow_lanes(*reinterpret_cast<const uvec*>(x + c)),
+                                                                hvec);
   for (; c < n; ++c) out[c] = narrow_bf16(x[c]);
 }
 
@@ -331,12 +335,12 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_
 // Each of x's n floats rounded to the nearest bf16 and kept as a float (narrow_bf16, then widened exactly): what
 // .to(torch.bfloat16).to(torch.float32) gives, in place, in one pass.
 void round_bf16_(float* x, int64_t n) {
-  typedef uint32_t bits __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));  // x may be unaligned
   int64_t c = 0;
-  for (; c + LANES <= n; c += LANES) {
-    bits& u = *reinterpret_cast<bits*>(x + c);
-    const bits rounded = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16) << 16;
-    u = (u & 0x7fffffffu) > 0x7f800000u ? ((u >> 16) | 0x40u) << 16 : rounded;
+  for (; c + LANES <= n; c += LANES) {  // (memcpy: x may be unaligned)
+    uvec u;
+    std::memcpy(&u, x + c, sizeof u);
+    u = narrow_lanes(u) << 16;
+    std::memcpy(x + c, &u, sizeof u);
   }
   for (; c < n; ++c) x[c] = widen(narrow_bf16(x[c]));
 }
