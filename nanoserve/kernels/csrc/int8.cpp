@@ -53,10 +53,10 @@ constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lan
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
 #ifndef INT8_PREFETCH_BYTES
-#define INT8_PREFETCH_BYTES 8192
+#define INT8_PREFETCH_BYTES 16384
 #endif
-// how far ahead of the quad in use its row's bytes are asked for: further than quant.cpp asks, as the integer
-// products eat bytes faster (a decode step's sweep over the model's matrices measured faster at 8 KB than at 4)
+// How far ahead of the quad in use its row's bytes are asked for, into L2 (_MM_HINT_T1): the integer products eat
+// bytes faster than quant.cpp's, so more of them must be in flight than the L1's few miss buffers hold.
 constexpr int64_t PREFETCH = INT8_PREFETCH_BYTES;
 
 enum class Fmt { Q4_1, Q8_0 };
@@ -483,7 +483,7 @@ ROAD_FN void step(const uint8_t* const* row, int64_t t, int64_t n, const Acts& a
   for (int j = 0; j < 4; ++j) {
     q[j] = row[j] + t * 4 * block_bytes<F>();
     for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * block_bytes<F>(); ahead += 64)  // every line of the quad
-      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), _MM_HINT_T1);
   }
   __m512i head, lo[4], hi[4];
   load_quads<F>(q, n, head, lo, hi);
@@ -671,8 +671,8 @@ template <Fmt F, int R, int NQ>
 ROAD_FN void group(const uint8_t* blk, int64_t n, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
   constexpr int64_t BYTES = block_bytes<F>();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), _MM_HINT_T1);
 #pragma GCC unroll 2
   for (int h = 0; h < (NQ + 1) / 2; ++h) {  // blocks 8h .. 8h + 7: quads 2h, 2h + 1
     const uint8_t* hb = blk + 8 * h * BYTES;
