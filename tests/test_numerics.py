@@ -89,15 +89,16 @@ def test_int8_logits_are_within_tolerance_of_the_blocks_on_fp32(on_blocks, tok):
 
 def test_every_int8_road_gives_a_model_the_same_logits(tiny_cfg, monkeypatch):
     """A CPU without VNNI takes the AVX2 road, one without AVX2 the portable loop, one without the kernels the torch
-    reference: the same bits each time (the products are integers, the fp32 steps fixed), so the same logits."""
+    reference: the same bits each time (the products are integers, the fp32 steps fixed), so the same logits as the
+    model's own road (on AVX512-VNNI, its packed copies)."""
     model = to_blocks(Llama.random(tiny_cfg, seed=7), activations="int8")
     ids = torch.tensor([[5, 9, 200, 3, 17, 4]])
     with torch.inference_mode():
         want = model(ids)
         real = int8.block_linear_int8
         for road in [*int8.int8_roads(), "torch"]:
-            forced = (lambda x, b, f, compiled=None, road=road: int8.block_linear_int8_reference(x, b, f)) \
-                if road == "torch" else (lambda x, b, f, compiled=None, road=road: real(x, b, f, road=road))
+            forced = (lambda x, b, f, compiled=None, packed=None: int8.block_linear_int8_reference(x, b, f)) \
+                if road == "torch" else (lambda x, b, f, compiled=None, packed=None, road=road: real(x, b, f, road))
             monkeypatch.setattr(int8, "block_linear_int8", forced)
             assert torch.equal(model(ids), want), road
         monkeypatch.setattr(int8, "block_linear_int8", real)

@@ -120,18 +120,39 @@ def tree16(a: Tensor) -> Tensor:
 
 
 def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = None,
-                      compiled: bool | None = None) -> Tensor:
+                      compiled: bool | None = None, packed: Tensor | None = None) -> Tensor:
     """x (..., K) fp32 @ w.T for the weight w (N, K) that `blocks` hold, x taken as int8 blocks -> (..., N).
     road: None for the best this CPU has, or one of `int8_roads()` (they give the same bits); where the
-    kernels are not built, or with compiled=False, the torch reference runs (the same bits again)."""
+    kernels are not built, or with compiled=False, the torch reference runs (the same bits again). `packed`
+    (`pack(blocks, fmt)`) is read instead of the blocks where the best road runs: the same bits, faster."""
     if has_torch_function((x, blocks)):
-        return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road, compiled)
+        return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road, compiled, packed)
     block_bytes(fmt)
     if resolve(compiled) and not (x.requires_grad and torch.is_grad_enabled()):
+        if packed is not None and road is None:
+            return block_linear_int8_packed(x, packed, fmt, blocks.shape[0])
         return load_kernels().block_linear_int8(x.contiguous(), blocks, fmt, road or "")  # type: ignore[union-attr]
     if road is not None:
         raise RuntimeError(f"road {road!r}: the compiled kernels are not in use here")
     return block_linear_int8_reference(x, blocks, fmt)
+
+
+def packed_here() -> bool:
+    """Whether this CPU's road reads the packed layout (avx512-vnni): the compiled decode step then multiplies
+    a packed copy of each int8 matrix, whose quads need no permutes."""
+    return bool(available() and load_kernels().int8_packed_here())  # type: ignore[union-attr]
+
+
+def pack(blocks: Tensor, fmt: str) -> Tensor:
+    """blocks (N, K / 32 * bytes) -> the same bytes packed (1-dim, (N + 3) // 4 * 4 rows' worth): four rows'
+    quads of blocks side by side, each register's lanes one (row, block), Q8_0's weights + 128 (`csrc/int8.cpp`)."""
+    block_bytes(fmt)
+    return load_kernels().pack_blocks_int8(blocks, fmt)  # type: ignore[union-attr]
+
+
+def block_linear_int8_packed(x: Tensor, packed: Tensor, fmt: str, out_features: int) -> Tensor:
+    """`block_linear_int8` on `pack(blocks, fmt)`: the same bits, on the avx512-vnni road only."""
+    return load_kernels().block_linear_int8_packed(x.contiguous(), packed, fmt, out_features)  # type: ignore
 
 
 def int8_road() -> str:

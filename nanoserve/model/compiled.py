@@ -27,6 +27,8 @@ from ..attention.metadata import AttentionMetadata
 from .llama import Llama
 from .matmul import BlockWeight
 
+NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
+
 
 def applies(md: AttentionMetadata) -> bool:
     """Whether a step may run compiled: no request computes a whole prompt (every one attends over keys
@@ -52,7 +54,8 @@ class BlockStep:
         cfg = model.cfg
         compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
             model.embed.blocks, model.embed.fmt, [n.detach().contiguous() for n in norms], [m.blocks for m in mats],
-            [m.fmt for m in mats], [m.activations == "int8" for m in mats], cfg.n_heads, cfg.n_kv_heads,
+            [m.fmt for m in mats], [m.activations == "int8" for m in mats],
+            [p if (p := m.int8_packed()) is not None else NO_PACKED for m in mats], cfg.n_heads, cfg.n_kv_heads,
             cfg.rms_norm_eps)
         return cls(model, compiled)
 

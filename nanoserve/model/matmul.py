@@ -191,6 +191,17 @@ class BlockWeight(nn.Module):
         self.fmt, self.activations = fmt, activations
         self.register_buffer("blocks", blocks.contiguous())  # (out, in / 32 * bytes) uint8
         self.shape = torch.Size((blocks.shape[0], in_features))
+        self._int8_packed: tuple[int, Tensor] | None = None
+
+    def int8_packed(self) -> Tensor | None:
+        """The blocks in the int8 product's packed layout, for int8 activations on a CPU whose road reads it
+        (`kernels.int8.packed_here`), else None. Made on first use and kept beside the blocks (their bytes
+        again, as `pack` keeps oneDNN's copy of an fp32 matrix); the blocks are the checkpoint's, never written."""
+        if self.activations != "int8" or self.blocks.device.type != "cpu" or not int8.packed_here():
+            return None
+        if self._int8_packed is None or self._int8_packed[0] != self.blocks.data_ptr():
+            self._int8_packed = (self.blocks.data_ptr(), int8.pack(self.blocks, self.fmt))
+        return self._int8_packed[1]
 
     @classmethod
     def quantize(cls, w: Tensor, fmt: str) -> BlockWeight:
@@ -233,7 +244,7 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
     (fp32 activations) or the int8 product's torch reference (int8 activations: the same bits)."""
     if isinstance(w, BlockWeight):
         if w.activations == "int8":
-            return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled)
+            return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled, packed=w.int8_packed())
         return quant.block_linear(x, w.blocks, w.fmt, compiled)
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):

@@ -197,6 +197,46 @@ namespace avx2 {
 #undef NANOSERVE_INT8_ROAD
 #endif
 
+
+// ---- the packed layout (the AVX512-VNNI road's): the same bytes, moved so that a quad needs no permutes
+//
+// Rows in groups of four (a last group short of four is padded with zero rows), each group's blocks in quads of
+// four (the last maybe n < 4 blocks), quad after quad: 4 rows x n blocks x block bytes, so a group takes the
+// bytes of its four rows. In a quad, lane c = j * n + i stands for row j's block i (c = 4j + i when n = 4):
+//   Q4_1: 4 registers of 16n bytes, register v lane c = the block's nibble bytes 4v..4v+3 (positions 4v..4v+3
+//         low, 16 + 4v.. high); then the 4n fp16 d, then the 4n fp16 m.
+//   Q8_0: 8 registers of 16n bytes, register k lane c = the block's weights at positions P(k)..P(k)+3
+//         (P(k) = 4k, or 16 + 4(k - 4) from k = 4), each + 128 (unsigned, as vpdpbusd multiplies them); then
+//         the 4n fp16 d.
+// A short quad's lanes are compact in memory and expanded into place as they are loaded.
+inline int64_t packed_bytes(int64_t N, int64_t row_bytes) { return (N + 3) / 4 * 4 * row_bytes; }
+
+void pack_group(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t nb, int rows, uint8_t* out) {
+  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  uint8_t zero[Q8_0_BYTES] = {};
+  for (int64_t t = 0; t < (nb + 3) / 4; ++t) {
+    const int64_t n = std::min<int64_t>(4, nb - 4 * t);
+    const int regs = f == Fmt::Q4_1 ? 4 : 8;
+    for (int j = 0; j < 4; ++j)
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* blk = j < rows ? w + j * row_bytes + (4 * t + i) * bytes : zero;
+        const int64_t c = j * n + i;
+        for (int k = 0; k < regs; ++k)
+          for (int e = 0; e < 4; ++e) {
+            const int64_t src = f == Fmt::Q4_1 ? 4 + 4 * k + e : 2 + (k < 4 ? 4 * k : 16 + 4 * (k - 4)) + e;
+            const uint8_t v = blk[src];
+            out[16 * n * k + 4 * c + e] = f == Fmt::Q4_1 ? v : static_cast<uint8_t>(v ^ 0x80);
+          }
+        uint8_t* head = out + 16 * n * regs;
+        std::memcpy(head + 2 * c, blk, 2);                                  // d
+        if (f == Fmt::Q4_1) std::memcpy(head + 8 * n + 2 * c, blk + 2, 2);  // m
+      }
+    out += 4 * n * bytes;
+  }
+}
+
+using PackedFn = void (*)(Fmt, const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
+
 struct Road {
   const char* name;
   RowsFn rows;
@@ -343,11 +383,93 @@ torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::stri
   return out;
 }
 
+namespace {
+namespace int8q {
+
+const Road& best() {
+  static const Road& road = pick("");
+  return road;
+}
+
+bool packed_here() { return std::string(best().name) == "avx512-vnni"; }
+
+// x (B, K) quantized, its quads transposed, then times a packed weight of N rows: out (B, N). Threads split the
+// row groups; a task's four groups (16 rows) stay in cache while every tile of x passes over them.
+void product_packed(Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
+#ifdef NANOSERVE_INT8_X86
+  const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+  const Quantized z = quantize(x, B, K, best());
+  avx512_vnni::transpose_acts(reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>()), B * z.acts.kq / 64);  // qi
+  constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
+  at::parallel_for(0, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += GROUPS)
+      avx512_vnni::rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
+  });
+#else
+  TORCH_CHECK(false, "the packed int8 layout needs an x86 build");
+#endif
+}
+
+Fmt checked_fmt(const std::string& fmt) {
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
+  return fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
+}
+
+}  // namespace int8q
+}  // namespace
+
+// blocks (N, K / 32 * bytes) -> the same bytes in the packed layout (pack_group), (N + 3) / 4 * 4 rows' worth.
+torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt) {
+  using namespace int8q;
+  const Fmt f = checked_fmt(fmt);
+  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+              blocks.is_contiguous() && blocks.size(1) % bytes == 0,
+              "blocks: expected a contiguous uint8 CPU tensor (rows, n * ", bytes, ") of ", fmt, " blocks, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t N = blocks.size(0), row_bytes = blocks.size(1), nb = row_bytes / bytes;
+  torch::Tensor out = torch::empty({packed_bytes(N, row_bytes)}, blocks.options());
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, (N + 3) / 4, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      pack_group(f, w + 4 * g * row_bytes, row_bytes, nb, static_cast<int>(std::min<int64_t>(4, N - 4 * g)),
+                 o + 4 * g * row_bytes);
+  });
+  return out;
+}
+
+// x (..., K) float32 times a packed weight of N rows (pack_blocks_int8) -> (..., N): block_linear_int8's bits.
+torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N) {
+  using namespace int8q;
+  TORCH_CHECK(packed_here(), "packed: the packed layout runs on the avx512-vnni road; this CPU's is '", best().name,
+              "'");
+  const Fmt f = checked_fmt(fmt);
+  const int64_t B = checked_rows(x), K = x.size(-1);
+  const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+  TORCH_CHECK(N >= 0 && packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.dim() == 1 &&
+              packed.is_contiguous() && packed.numel() == packed_bytes(N, row_bytes),
+              "packed: expected the ", packed_bytes(N, row_bytes), " contiguous uint8 bytes of ", N, " rows of ", K,
+              " inputs as ", fmt, " packed, got ", packed.scalar_type(), " of shape ", packed.sizes());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  torch::Tensor out = torch::empty(shape, x.options());
+  if (B > 0 && N > 0) product_packed(f, packed.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>());
+  return out;
+}
+
 // x (B, K) times a weight of N rows held as blocks -> out (B, N), on the best road this CPU has: block_linear_int8
 // on raw numbers, for callers that have checked the shapes (BlockModel, step.cpp).
 void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
-  static const int8q::Road& best = int8q::pick("");
-  if (B > 0 && N > 0) int8q::product(best, q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
+  if (B > 0 && N > 0) int8q::product(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
+}
+
+// Whether this CPU's int8 road runs the packed layout (BlockModel packs its int8 matrices then).
+bool int8_packed_here() { return int8q::packed_here(); }
+
+void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
+                               float* out) {
+  if (B > 0 && N > 0) int8q::product_packed(q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out);
 }
 
 // The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".
@@ -547,6 +669,140 @@ ROAD_FN void tile(const uint8_t* w, int64_t row_bytes, int rows, const Acts& a, 
 }
 
 constexpr int TILE = 4;  // rows of x per quad of four weight rows read
+
+// ---- the packed layout (pack_group): a quad's weights are whole registers, lane 4j + i for row j's block i,
+// and the activations are read in the matching order, so the integer sums land in their lanes with no permute.
+
+// Each 64-byte half of every quad of x, from (block i, positions 4k..4k+3 at dword 4i + k) to dword 4k + i:
+// chunk k (16 bytes) then holds positions 4k..4k+3 of the quad's four blocks, broadcast against register k.
+ROAD_FN void transpose_quads(int8_t* qi, int64_t halves) {
+  const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  for (int64_t h = 0; h < halves; ++h) {
+    __m512i* p = reinterpret_cast<__m512i*>(qi + 64 * h);
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi32(t, _mm512_loadu_si512(p)));
+  }
+}
+
+ROAD_FN __m512i chunk(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// Quad t (n real blocks, FULL: n = 4) of a packed group at p against R rows of x, into acc[r][U].
+template <Fmt F, int R, int U, bool FULL>
+ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+  constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
+  const __mmask16 real = FULL ? 0xffff : static_cast<__mmask16>(0x1111u * ((1u << n) - 1));
+  const int64_t reg = FULL ? 64 : 16 * n;
+  for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+  __m512i w[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < REGS; ++k)
+    w[k] = FULL ? _mm512_loadu_si512(p + 64 * k) : _mm512_maskz_expandloadu_epi32(real, p + reg * k);
+  if constexpr (F == Fmt::Q4_1) {
+    const __m512i low = _mm512_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      w[4 + k] = _mm512_and_si512(_mm512_srli_epi32(w[k], 4), low);
+      w[k] = _mm512_and_si512(w[k], low);
+    }
+  }
+  const uint8_t* h = p + REGS * reg;
+  __m512 dw, mw;
+  if constexpr (FULL) {
+    dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+    mw = F == Fmt::Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))) : dw;
+  } else {  // compact lanes j * n + i -> lane 4j + i
+    alignas(64) int32_t at[16];
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) at[4 * j + i] = static_cast<int32_t>(j * n + std::min<int64_t>(i, n - 1));
+    const __m512i idx = _mm512_load_si512(at);
+    const __mmask16 heads = static_cast<__mmask16>((1u << (4 * n)) - 1);
+    dw = _mm512_maskz_permutexvar_ps(real, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, h)));
+    mw = F == Fmt::Q4_1 ? _mm512_maskz_permutexvar_ps(real, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, h + 8 * n)))
+                        : dw;
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const int8_t* qx = a.qi + (r0 + r) * a.kq + t * QUAD;
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], chunk(qx));
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[4], chunk(qx + 64));
+#pragma GCC unroll 3
+    for (int k = 1; k < 4; ++k) {
+      s0 = _mm512_dpbusd_epi32(s0, w[k], chunk(qx + 16 * k));
+      s1 = _mm512_dpbusd_epi32(s1, w[4 + k], chunk(qx + 64 + 16 * k));
+    }
+    __m512i isum = _mm512_add_epi32(s0, s1);
+    const int64_t at = (r0 + r) * a.ld + 4 * t;
+    if constexpr (F == Fmt::Q8_0)  // the 128 * s
+      isum = _mm512_sub_epi32(isum, _mm512_slli_epi32(
+                                        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.s + at))), 7));
+    __m512 c = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_broadcast_f32x4(_mm_loadu_ps(a.d + at))), _mm512_cvtepi32_ps(isum));
+    if constexpr (F == Fmt::Q4_1)
+      c = _mm512_add_ps(c, _mm512_mul_ps(mw, _mm512_broadcast_f32x4(_mm_loadu_ps(a.ds + at))));
+    acc[r][U] = FULL ? _mm512_add_ps(acc[r][U], c) : _mm512_mask_add_ps(acc[r][U], real, acc[r][U], c);
+  }
+}
+
+template <Fmt F, int R, int U>
+ROAD_FN const uint8_t* pquad(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+  if (n == 4) pstep<F, R, U, true>(p, t, 4, a, r0, acc);
+  else pstep<F, R, U, false>(p, t, n, a, r0, acc);
+  return p + 4 * n * block_bytes<F>();
+}
+
+// A packed group of four weight rows (`rows` of them real) against R rows of x (from row r0): out[r * ldo + j].
+template <Fmt F, int R>
+ROAD_FN void ptile(const uint8_t* p, int rows, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
+  constexpr int64_t QB = 16 * block_bytes<F>();
+  int64_t t = 0;
+  for (; 4 * (t + 4) <= a.nb; t += 4, p += 4 * QB) {
+    pstep<F, R, 0, true>(p, t, 4, a, r0, acc);
+    pstep<F, R, 1, true>(p + QB, t + 1, 4, a, r0, acc);
+    pstep<F, R, 2, true>(p + 2 * QB, t + 2, 4, a, r0, acc);
+    pstep<F, R, 3, true>(p + 3 * QB, t + 3, 4, a, r0, acc);
+  }
+  const int64_t left = a.nb - 4 * t;
+  if (left > 0) p = pquad<F, R, 0>(p, t, std::min<int64_t>(4, left), a, r0, acc);
+  if (left > 4) p = pquad<F, R, 1>(p, t + 1, std::min<int64_t>(4, left - 4), a, r0, acc);
+  if (left > 8) p = pquad<F, R, 2>(p, t + 2, std::min<int64_t>(4, left - 8), a, r0, acc);
+  if (left > 12) p = pquad<F, R, 3>(p, t + 3, left - 12, a, r0, acc);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (int j = 0; j < rows; ++j) out[r * ldo + j] = lanes[4 * j];
+  }
+}
+
+template <Fmt F, int R = 4>
+ROAD_FN void prows_tile(int xr, const uint8_t* packed, int64_t row_bytes, int64_t g0, int64_t g1, int64_t N,
+                        const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (xr != R) return prows_tile<F, R - 1>(xr, packed, row_bytes, g0, g1, N, a, r0, out, ldo);
+    for (int64_t g = g0; g < g1; ++g)
+      ptile<F, R>(packed + g * 4 * row_bytes, static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a, r0, out + 4 * g,
+                  ldo);
+  }
+}
+
+// Packed groups g0..g1 of a weight of N rows against all B rows of x (its quads transposed): out[r * N + o].
+__attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* packed, int64_t row_bytes, int64_t g0,
+                                                      int64_t g1, const Acts& a, int64_t B, float* out, int64_t N) {
+  for (int64_t r0 = 0; r0 < B; r0 += 4) {
+    const int n = static_cast<int>(std::min<int64_t>(4, B - r0));
+    if (f == Fmt::Q4_1) prows_tile<Fmt::Q4_1>(n, packed, row_bytes, g0, g1, N, a, r0, out + r0 * N, N);
+    else prows_tile<Fmt::Q8_0>(n, packed, row_bytes, g0, g1, N, a, r0, out + r0 * N, N);
+  }
+}
+
+__attribute__((target(INT8_TARGET))) void transpose_acts(int8_t* qi, int64_t halves) { transpose_quads(qi, halves); }
 
 
 #else  // ---- AVX-VNNI and AVX2: a pair of blocks to a register

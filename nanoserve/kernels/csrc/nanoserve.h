@@ -35,6 +35,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road);
 std::string int8_road();
+torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt);
+torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N);
+bool int8_packed_here();
 std::vector<std::string> int8_roads();
 // A whole prompt's causal attention with bf16 products (attention_bf16.cpp), and whether this CPU can run it.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
@@ -46,15 +49,18 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
 void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
 void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
+void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
+                               float* out);
 void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
 
 // A model on blocks, stepped by one call (step.cpp): its weights checked and held once, each step's
-// inputs passed to `step`. int8[i]: matrix i multiplies int8-quantized activations (block_linear_int8's product).
+// inputs passed to `step`. int8[i]: matrix i multiplies int8-quantized activations (block_linear_int8's product),
+// from packed[i] (pack_blocks_int8) where that is not empty.
 class BlockModel {
  public:
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
              std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
-             int64_t n_heads, int64_t n_kv_heads, double eps);
+             std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps);
   torch::Tensor step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
@@ -66,6 +72,7 @@ class BlockModel {
     bool q4_1;
     int64_t rows, cols;  // the weight's (out, in)
     bool int8;           // x quantized to int8 blocks first (kernels/int8.py)
+    const uint8_t* packed = nullptr;  // int8 on the avx512-vnni road: the same blocks packed (pack_blocks_int8)
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;

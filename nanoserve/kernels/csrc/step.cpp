@@ -21,16 +21,19 @@ void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
 }  // namespace
 
 // embed: the token table's blocks (V rows); norms: attn_norm and mlp_norm of each layer, then the final norm;
-// blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head; int8: which of them take int8 activations.
+// blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head; int8: which of them take int8 activations;
+// packed: each one's pack_blocks_int8 copy, read instead of its blocks (an empty tensor: none).
 // Every shape is checked here, once.
 BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
                        std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
-                       int64_t n_heads, int64_t n_kv_heads, double eps)
+                       std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps)
     : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)) {
   TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && int8.size() == blocks.size() &&
+              packed.size() == blocks.size() &&
               norms.size() == blocks.size() / 2 + 1,
               "expected 4 matrices and 2 norms per layer, then the head and the final norm; got ", blocks.size(),
-              " matrices, ", fmts.size(), " formats, ", int8.size(), " activation flags and ", norms.size(), " norms");
+              " matrices, ", fmts.size(), " formats, ", int8.size(), " activation flags, ", packed.size(),
+              " packed copies and ", norms.size(), " norms");
   L_ = static_cast<int64_t>(blocks.size() / 4);
   TORCH_CHECK(norms[0].dim() == 1, "norms: expected vectors");
   C_ = norms[0].numel();
@@ -41,7 +44,7 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
                 what, " ", i, ": expected contiguous uint8 rows of ", cols / 32 * bytes, " bytes (", cols,
                 " inputs as ", fmt, "), got ", t.scalar_type(), " ", t.sizes());
     keep_.push_back(t);
-    return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols, false};
+    return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols, false, nullptr};
   };
   embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
   for (const auto& w : norms) {
@@ -65,7 +68,19 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     mats_.insert(mats_.end(), {qkv, wo, gate_up, down});
   }
   mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
-  for (size_t i = 0; i < mats_.size(); ++i) mats_[i].int8 = int8[i];
+  for (size_t i = 0; i < mats_.size(); ++i) {
+    mats_[i].int8 = int8[i];
+    if (packed[i].numel() == 0) continue;
+    const Matrix& m = mats_[i];
+    const int64_t row_bytes = m.cols / 32 * (m.q4_1 ? 20 : 34);
+    TORCH_CHECK(int8[i] && int8_packed_here(), "packed ", i, ": the packed layout is read by the avx512-vnni road, "
+                "for a matrix on int8 activations");
+    TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
+                packed[i].numel() == (m.rows + 3) / 4 * 4 * row_bytes,
+                "packed ", i, ": expected the ", (m.rows + 3) / 4 * 4 * row_bytes, " bytes pack_blocks_int8 makes");
+    keep_.push_back(packed[i]);
+    mats_[i].packed = packed[i].data_ptr<uint8_t>();
+  }
 }
 
 // One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
@@ -118,7 +133,8 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   }
   dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
-    if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
+    if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
+    else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
   };
   for (int64_t layer = 0; layer < L_; ++layer) {
