@@ -20,6 +20,10 @@ The arithmetic (`csrc/int8.cpp` says it in full), per row of x and weight row:
 The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI, AVX-VNNI, AVX2, the
 portable loop) gives the same bits, a row's result depends on that row of x only, and
 `block_linear_int8_reference` (torch, the same steps) gives them too.
+
+On the AVX512-VNNI road a weight is best read from a packed copy (`pack`): the same bytes moved once so that
+each register's lanes are already one (row, block) each, which spares every quad of blocks its permutes.
+`BlockWeight.int8_packed` keeps one beside the blocks; the bits are the same either way.
 """
 
 from __future__ import annotations

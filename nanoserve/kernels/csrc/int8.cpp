@@ -22,6 +22,10 @@
 // give the same bits, and a row's result depends on that row of x only. Each x86 road is compiled for its own
 // instructions (target attributes: this file includes its second half once per road) and the best the CPU has
 // is picked at run time, so one build serves CPUs with and without VNNI.
+//
+// The AVX512-VNNI road also reads a packed copy of the blocks (pack_group): the same bytes, moved once so that a
+// quad's weights load as whole registers whose lanes are already (row, block), and its integer sums need no
+// permute to reach their lanes. Same integers, same fp32 steps: the same bits again, from fewer instructions.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
 
 #include "nanoserve.h"
