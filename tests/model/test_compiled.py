@@ -10,10 +10,11 @@ import nanoserve
 from nanoserve.attention import Chunk, prepare
 from nanoserve.engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.kernels import int8
 from nanoserve.kv import BlockManager, KVStorage
 from nanoserve.model import Llama
 from nanoserve.model.compiled import BlockStep, applies
-from nanoserve.model.gguf_weights import to_blocks
+from nanoserve.model.gguf_weights import set_activations, to_blocks
 
 
 @pytest.fixture(scope="module", params=["fp32", "int8"])
@@ -132,6 +133,26 @@ def test_a_slot_outside_the_pool_is_refused_by_name(tiny_blocks):
     bad = type(md)(**{**md.__dict__, "slot_mapping": torch.tensor([99])})
     with pytest.raises(RuntimeError, match="slot_mapping: row 0 slot 99 outside the pool of 16 slots"):
         fast.block_step(ids, bad, fast.storage)
+
+
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the avx512-vnni road's")
+def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cfg, compiled):
+    """On AVX512-VNNI each int8 matrix keeps a packed copy (the same bytes) that the compiled step reads; a copy
+    of the wrong size is refused at construction, by matrix, not read past its end."""
+    model = to_blocks(Llama.random(tiny_cfg, seed=6), activations="int8")
+    mats = model.matrices()
+    assert all(m.int8_packed().numel() == -(-m.shape[0] // 4) * 4 * m.blocks.shape[1] for m in mats)
+    set_activations(model, "fp32")
+    assert all(m.int8_packed() is None for m in mats)  # blocks on fp32 activations read the blocks only
+    set_activations(model, "int8")
+    assert BlockStep.of(model) is not None
+    packed = [m.int8_packed() for m in mats]
+    packed[1] = packed[1][:-20]
+    norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
+    with pytest.raises(RuntimeError, match="packed 1: expected the .* bytes pack_blocks_int8 makes"):
+        compiled.BlockModel(model.embed.blocks, model.embed.fmt, [n.detach() for n in norms], [m.blocks for m in mats],
+                            [m.fmt for m in mats], [True] * len(mats), packed, tiny_cfg.n_heads, tiny_cfg.n_kv_heads,
+                            tiny_cfg.rms_norm_eps)
 
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
