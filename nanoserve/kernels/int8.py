@@ -21,8 +21,8 @@ The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI,
 portable loop) gives the same bits, a row's result depends on that row of x only, and
 `block_linear_int8_reference` (torch, the same steps) gives them too.
 
-On the AVX512-VNNI road a weight is best read from a packed copy (`pack`): the same bytes moved once so that
-each register's lanes are already one (row, block) each, which spares every quad of blocks its permutes.
+On the x86 roads a weight is best read from a packed copy (`pack`): the same bytes moved once so that each
+register's lanes are already one (row, block) each, which spares every block its permutes and horizontal adds.
 `BlockWeight.int8_packed` keeps one beside the blocks; the bits are the same either way.
 """
 
@@ -142,21 +142,24 @@ def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = No
 
 
 def packed_here() -> bool:
-    """Whether this CPU's road reads the packed layout (avx512-vnni): the compiled decode step then multiplies
-    a packed copy of each int8 matrix, whose quads need no permutes."""
+    """Whether this CPU's road reads a packed layout (the x86 roads; not the portable loop): a BlockWeight on
+    int8 activations then keeps a packed copy (`pack`), which its products read instead of the blocks."""
     return bool(available() and load_kernels().int8_packed_here())  # type: ignore[union-attr]
 
 
-def pack(blocks: Tensor, fmt: str) -> Tensor:
-    """blocks (N, K / 32 * bytes) -> the same bytes packed (1-dim, (N + 3) // 4 * 4 rows' worth): four rows'
-    quads of blocks side by side, each register's lanes one (row, block), Q8_0's weights + 128 (`csrc/int8.cpp`)."""
+def pack(blocks: Tensor, fmt: str, road: str | None = None) -> Tensor:
+    """blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout (None: this CPU's best), 1-dim,
+    (N + 3) // 4 * 4 rows' worth: blocks moved so that each register's lanes are one (row, block) each
+    (`csrc/int8.cpp`: four rows' quads side by side for AVX512-VNNI, a row's groups of eight for AVX2)."""
     block_bytes(fmt)
-    return load_kernels().pack_blocks_int8(blocks, fmt)  # type: ignore[union-attr]
+    return load_kernels().pack_blocks_int8(blocks, fmt, road or "")  # type: ignore[union-attr]
 
 
-def block_linear_int8_packed(x: Tensor, packed: Tensor, fmt: str, out_features: int) -> Tensor:
-    """`block_linear_int8` on `pack(blocks, fmt)`: the same bits, on the avx512-vnni road only."""
-    return load_kernels().block_linear_int8_packed(x.contiguous(), packed, fmt, out_features)  # type: ignore
+def block_linear_int8_packed(x: Tensor, packed: Tensor, fmt: str, out_features: int, road: str | None = None,
+                             ) -> Tensor:
+    """`block_linear_int8` on `pack(blocks, fmt, road)`, on that road: the same bits."""
+    return load_kernels().block_linear_int8_packed(x.contiguous(), packed, fmt, out_features,  # type: ignore
+                                                   road or "")
 
 
 def int8_road() -> str:

@@ -203,40 +203,48 @@ def test_the_torch_road_is_the_same_bits(ext):
             int8.block_linear_int8(x, blocks, "q4_1", "avx2", compiled=False)
 
 
-packed_road = pytest.mark.skipif(not int8.packed_here(), reason="the packed layout runs on the avx512-vnni road only")
+def packing_roads() -> list[str]:
+    """The roads here with a packed layout: the x86 ones (the portable loop reads blocks as they lie)."""
+    return [r for r in int8.int8_roads() if r != "scalar"] if int8.packed_here() else []
 
 
-@packed_road
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [*SHAPES, (576, 1536), (960, 576)])
-def test_the_packed_layout_is_the_reference_bit_for_bit(ext, fmt, shape):
-    """The compiled decode step multiplies packed copies: short last quads, short last groups of rows, 1..9 rows
-    of x (two tiles and a short one) must all give block_linear_int8's bits."""
+def test_every_packed_layout_is_the_reference_bit_for_bit(ext, fmt, shape):
+    """Products read packed copies: short last groups of blocks, short last groups of rows, 1..9 rows of x (two
+    tiles and a short one) must all give block_linear_int8's bits, on every road that packs."""
+    if not packing_roads():
+        pytest.skip("no road with a packed layout on this CPU")
     n, k = shape
     blocks, _ = blocks_for(n, k, fmt, seed=n * k)
-    packed = int8.pack(blocks, fmt)
-    assert packed.numel() == -(-n // 4) * 4 * blocks.shape[1]  # the same bytes, a last group padded to four rows
     x = activations(9, k, seed=k + 1)
     with torch.inference_mode():
-        for rows in range(1, 10):
-            want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
-            assert torch.equal(int8.block_linear_int8_packed(x[:rows], packed, fmt, n), want), rows
+        for road in packing_roads():
+            packed = int8.pack(blocks, fmt, road)
+            assert packed.numel() == -(-n // 4) * 4 * blocks.shape[1]  # the same bytes, rows padded to fours
+            for rows in range(1, 10):
+                want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
+                assert torch.equal(int8.block_linear_int8_packed(x[:rows], packed, fmt, n, road), want), (road, rows)
 
 
-@packed_road
-def test_the_packed_layout_keeps_non_finite_blocks_and_refuses_bad_input(ext):
+def test_packed_layouts_keep_non_finite_blocks_and_refuse_bad_input(ext):
+    if not packing_roads():
+        pytest.skip("no road with a packed layout on this CPU")
     blocks, _ = blocks_for(6, 96, "q4_1", seed=5)
-    packed = int8.pack(blocks, "q4_1")
     x = activations(3, 96, seed=6)
     x[1, 40] = float("inf")  # block 1 of row 1: NaN out, as on every road
     with torch.inference_mode():
-        got = int8.block_linear_int8_packed(x, packed, "q4_1", 6)
-        assert torch.equal(got.isnan(), int8.block_linear_int8(x, blocks, "q4_1").isnan()) and got[1].isnan().all()
+        for road in packing_roads():
+            got = int8.block_linear_int8_packed(x, int8.pack(blocks, "q4_1", road), "q4_1", 6, road)
+            assert torch.equal(got.isnan(), int8.block_linear_int8(x, blocks, "q4_1").isnan()) and got[1].isnan().all()
+    packed = int8.pack(blocks, "q4_1")
     with pytest.raises(RuntimeError, match=r"packed: expected the 480 contiguous uint8 bytes of 6 rows of 96 inputs"):
         int8.block_linear_int8_packed(x, packed[:-1], "q4_1", 6)
     with pytest.raises(RuntimeError, match=r"packed: expected the 720 contiguous uint8 bytes of 12 rows"):
         int8.block_linear_int8_packed(x, packed, "q4_1", 12)
     with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0', got 'q5_0'"):
-        ext.pack_blocks_int8(blocks, "q5_0")
+        ext.pack_blocks_int8(blocks, "q5_0", "")
     with pytest.raises(RuntimeError, match=r"blocks: expected a contiguous uint8 CPU tensor \(rows, n \* 34\)"):
-        ext.pack_blocks_int8(blocks, "q8_0")  # rows of 60 bytes are not Q8_0's
+        ext.pack_blocks_int8(blocks, "q8_0", "")  # rows of 60 bytes are not Q8_0's
+    with pytest.raises(RuntimeError, match="road 'scalar' has no packed layout"):
+        int8.pack(blocks, "q4_1", "scalar")

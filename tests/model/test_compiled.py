@@ -135,9 +135,9 @@ def test_a_slot_outside_the_pool_is_refused_by_name(tiny_blocks):
         fast.block_step(ids, bad, fast.storage)
 
 
-@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the avx512-vnni road's")
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
 def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cfg, compiled):
-    """On AVX512-VNNI each int8 matrix keeps a packed copy (the same bytes) that the compiled step reads; a copy
+    """On x86 each int8 matrix keeps a packed copy (the same bytes) that the compiled step reads; a copy
     of the wrong size is refused at construction, by matrix, not read past its end."""
     model = to_blocks(Llama.random(tiny_cfg, seed=6), activations="int8")
     mats = model.matrices()

@@ -23,9 +23,10 @@
 // instructions (target attributes: this file includes its second half once per road) and the best the CPU has
 // is picked at run time, so one build serves CPUs with and without VNNI.
 //
-// The AVX512-VNNI road also reads a packed copy of the blocks (pack_group): the same bytes, moved once so that a
-// quad's weights load as whole registers whose lanes are already (row, block), and its integer sums need no
-// permute to reach their lanes. Same integers, same fp32 steps: the same bits again, from fewer instructions.
+// The x86 roads also read packed copies of the blocks (pack_group for AVX512-VNNI, pack_row8 for the 256-bit
+// roads): the same bytes, moved once so that weights load as whole registers whose lanes are already one block
+// each, and the integer sums need no permute or horizontal add to reach their lanes. Same integers, same fp32
+// steps: the same bits again, from fewer instructions.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
 
 #include "nanoserve.h"
@@ -239,13 +240,55 @@ void pack_group(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t nb, int rows
   }
 }
 
+// The 256-bit roads' packed layout: each row on its own, its blocks in groups of eight (the last maybe n < 8),
+// group after group, so a row keeps its bytes. In a group, lane i stands for block i:
+//   Q4_1: 4 registers of 4n bytes, register k lane i = the block's nibble bytes 4k..4k+3; the n fp16 d; the n m.
+//   Q8_0: 8 registers of 4n bytes, register k lane i = the block's weights at positions P(k)..P(k)+3 (signed, as
+//         the file has them); the n fp16 d.
+void pack_row8(Fmt f, const uint8_t* w, int64_t nb, uint8_t* out) {
+  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  const int regs = f == Fmt::Q4_1 ? 4 : 8;
+  for (int64_t b0 = 0; b0 < nb; b0 += 8) {
+    const int64_t n = std::min<int64_t>(8, nb - b0);
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* blk = w + (b0 + i) * bytes;
+      for (int k = 0; k < regs; ++k) {
+        const int64_t src = f == Fmt::Q4_1 ? 4 + 4 * k : 2 + (k < 4 ? 4 * k : 16 + 4 * (k - 4));
+        std::memcpy(out + 4 * n * k + 4 * i, blk + src, 4);
+      }
+      uint8_t* head = out + 4 * n * regs;
+      std::memcpy(head + 2 * i, blk, 2);                                  // d
+      if (f == Fmt::Q4_1) std::memcpy(head + 2 * n + 2 * i, blk + 2, 2);  // m
+    }
+    out += n * bytes;
+  }
+}
+
+// Each 64-byte half of every quad of quantized x, from (block i, positions 4k..4k+3 at dword 4i + k) to dword
+// 4k + i: chunk k (16 bytes) then holds positions 4k..4k+3 of the quad's four blocks, the order the packed
+// registers' lanes take them in.
+void transpose_halves(int8_t* qi, int64_t halves) {
+  for (int64_t h = 0; h < halves; ++h) {
+    int32_t t[16], u[16];
+    std::memcpy(t, qi + 64 * h, 64);
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 4; ++i) u[4 * k + i] = t[4 * i + k];
+    std::memcpy(qi + 64 * h, u, 64);
+  }
+}
+
+// (row groups g0..g1 of four rows, of a packed weight of N rows, against all B rows of x whose quads are transposed)
 using PackedFn = void (*)(Fmt, const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
+
+enum class Layout { NONE, QUADS, ROWS };  // no packed layout, pack_group's, pack_row8's
 
 struct Road {
   const char* name;
   RowsFn rows;
   QuantizeFn quantize;
   bool (*here)();
+  PackedFn rows_packed;
+  Layout layout;
 };
 
 bool always() { return true; }
@@ -264,11 +307,12 @@ bool has_avx_vnni() { return has_avx2() && __builtin_cpu_supports("avxvnni"); }
 // Best first.
 const Road ROADS[] = {
 #ifdef NANOSERVE_INT8_X86
-    {"avx512-vnni", avx512_vnni::rows, avx512_vnni::quantize_row, has_avx512_vnni},
-    {"avx-vnni", avx_vnni::rows, avx_vnni::quantize_row, has_avx_vnni},
-    {"avx2", avx2::rows, avx2::quantize_row, has_avx2},
+    {"avx512-vnni", avx512_vnni::rows, avx512_vnni::quantize_row, has_avx512_vnni, avx512_vnni::rows_packed,
+     Layout::QUADS},
+    {"avx-vnni", avx_vnni::rows, avx_vnni::quantize_row, has_avx_vnni, avx_vnni::rows_packed, Layout::ROWS},
+    {"avx2", avx2::rows, avx2::quantize_row, has_avx2, avx2::rows_packed, Layout::ROWS},
 #endif
-    {"scalar", rows_scalar, quantize_row_scalar, always},
+    {"scalar", rows_scalar, quantize_row_scalar, always, nullptr, Layout::NONE},
 };
 
 const Road& pick(const std::string& name) {
@@ -395,23 +439,21 @@ const Road& best() {
   return road;
 }
 
-bool packed_here() { return std::string(best().name) == "avx512-vnni"; }
+bool packed_here() { return best().layout != Layout::NONE; }
 
-// x (B, K) quantized, its quads transposed, then times a packed weight of N rows: out (B, N). Threads split the
-// row groups; a task's four groups (16 rows) stay in cache while every tile of x passes over them.
-void product_packed(Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
-#ifdef NANOSERVE_INT8_X86
+// x (B, K) quantized, its quads transposed, then times a weight of N rows packed in `road`'s layout: out (B, N).
+// Threads split the rows in groups of four; a task's 16 rows stay in cache while every tile of x passes over them.
+void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B,
+                    float* out) {
+  TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
-  const Quantized z = quantize(x, B, K, best());
-  avx512_vnni::transpose_acts(reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>()), B * z.acts.kq / 64);  // qi
+  const Quantized z = quantize(x, B, K, road);
+  transpose_halves(reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>()), B * z.acts.kq / 64);  // qi, in place
   constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
   at::parallel_for(0, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS)
-      avx512_vnni::rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
+      road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
   });
-#else
-  TORCH_CHECK(false, "the packed int8 layout needs an x86 build");
-#endif
 }
 
 Fmt checked_fmt(const std::string& fmt) {
@@ -419,36 +461,48 @@ Fmt checked_fmt(const std::string& fmt) {
   return fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
 }
 
+const Road& packing_road(const std::string& name) {
+  const Road& road = pick(name);
+  TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout (the x86 roads have)");
+  return road;
+}
+
 }  // namespace int8q
 }  // namespace
 
-// blocks (N, K / 32 * bytes) -> the same bytes in the packed layout (pack_group), (N + 3) / 4 * 4 rows' worth.
-torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt) {
+// blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout ("" for the best this CPU has: pack_group
+// for avx512-vnni, pack_row8 for avx-vnni and avx2), (N + 3) / 4 * 4 rows' worth.
+torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt, std::string road) {
   using namespace int8q;
   const Fmt f = checked_fmt(fmt);
+  const Road& chosen = packing_road(road);
   const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
               blocks.is_contiguous() && blocks.size(1) % bytes == 0,
               "blocks: expected a contiguous uint8 CPU tensor (rows, n * ", bytes, ") of ", fmt, " blocks, got ",
               blocks.scalar_type(), " of shape ", blocks.sizes());
   const int64_t N = blocks.size(0), row_bytes = blocks.size(1), nb = row_bytes / bytes;
-  torch::Tensor out = torch::empty({packed_bytes(N, row_bytes)}, blocks.options());
+  torch::Tensor out = torch::zeros({packed_bytes(N, row_bytes)}, blocks.options());
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, (N + 3) / 4, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g)
-      pack_group(f, w + 4 * g * row_bytes, row_bytes, nb, static_cast<int>(std::min<int64_t>(4, N - 4 * g)),
-                 o + 4 * g * row_bytes);
+    for (int64_t g = begin; g < end; ++g) {
+      const int rows = static_cast<int>(std::min<int64_t>(4, N - 4 * g));
+      if (chosen.layout == Layout::QUADS) pack_group(f, w + 4 * g * row_bytes, row_bytes, nb, rows, o + 4 * g * row_bytes);
+      else
+        for (int j = 0; j < rows; ++j) pack_row8(f, w + (4 * g + j) * row_bytes, nb, o + (4 * g + j) * row_bytes);
+    }
   });
   return out;
 }
 
-// x (..., K) float32 times a packed weight of N rows (pack_blocks_int8) -> (..., N): block_linear_int8's bits.
-torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N) {
+// x (..., K) float32 times a weight of N rows packed by `road` (pack_blocks_int8, the same road) -> (..., N):
+// block_linear_int8's bits.
+torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N,
+                                       std::string road) {
   using namespace int8q;
-  TORCH_CHECK(packed_here(), "packed: the packed layout runs on the avx512-vnni road; this CPU's is '", best().name,
-              "'");
   const Fmt f = checked_fmt(fmt);
+  const Road& chosen = packing_road(road);
   const int64_t B = checked_rows(x), K = x.size(-1);
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   TORCH_CHECK(N >= 0 && packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.dim() == 1 &&
@@ -458,7 +512,8 @@ torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, st
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   torch::Tensor out = torch::empty(shape, x.options());
-  if (B > 0 && N > 0) product_packed(f, packed.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>());
+  if (B > 0 && N > 0)
+    product_packed(chosen, f, packed.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>());
   return out;
 }
 
@@ -468,12 +523,13 @@ void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const
   if (B > 0 && N > 0) int8q::product(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
 }
 
-// Whether this CPU's int8 road runs the packed layout (BlockModel packs its int8 matrices then).
+// Whether this CPU's int8 road has a packed layout (the x86 roads: BlockModel reads packed copies then).
 bool int8_packed_here() { return int8q::packed_here(); }
 
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
                                float* out) {
-  if (B > 0 && N > 0) int8q::product_packed(q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out);
+  if (B > 0 && N > 0)
+    int8q::product_packed(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out);
 }
 
 // The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".
@@ -677,16 +733,6 @@ constexpr int TILE = 4;  // rows of x per quad of four weight rows read
 // ---- the packed layout (pack_group): a quad's weights are whole registers, lane 4j + i for row j's block i,
 // and the activations are read in the matching order, so the integer sums land in their lanes with no permute.
 
-// Each 64-byte half of every quad of x, from (block i, positions 4k..4k+3 at dword 4i + k) to dword 4k + i:
-// chunk k (16 bytes) then holds positions 4k..4k+3 of the quad's four blocks, broadcast against register k.
-ROAD_FN void transpose_quads(int8_t* qi, int64_t halves) {
-  const __m512i t = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  for (int64_t h = 0; h < halves; ++h) {
-    __m512i* p = reinterpret_cast<__m512i*>(qi + 64 * h);
-    _mm512_storeu_si512(p, _mm512_permutexvar_epi32(t, _mm512_loadu_si512(p)));
-  }
-}
-
 ROAD_FN __m512i chunk(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Quad t (n real blocks, FULL: n = 4) of a packed group at p against R rows of x, into acc[r][U].
@@ -806,7 +852,6 @@ __attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* pack
   }
 }
 
-__attribute__((target(INT8_TARGET))) void transpose_acts(int8_t* qi, int64_t halves) { transpose_quads(qi, halves); }
 
 
 #else  // ---- AVX-VNNI and AVX2: a pair of blocks to a register
@@ -1005,6 +1050,126 @@ ROAD_FN void tile(const uint8_t* w, const Acts& a, int64_t r0, float* out, int64
 }
 
 constexpr int TILE = 4;  // rows of x per pair of blocks read
+
+// ---- the packed layout (pack_row8): a group of 8 blocks of one row, register k's lane i its block i, so eight
+// dot products leave each block's integer sum in its lane, with no horizontal adds.
+
+// Chunk k of blocks b..b+3 of x (16 bytes at lo) and, with `two`, of b+4..b+7 (at hi): lane i, block b + i.
+ROAD_FN __m256i chunk8(const int8_t* lo, const int8_t* hi, bool two) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(a), two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi))
+                                                                : _mm_setzero_si128(), 1);
+}
+
+// The group of n blocks (FULL: 8) from block b of a packed row at p against R rows of x (from row r0), into
+// acc[2r + H] (blocks b..b+7 are lanes 0..7 of the row's first or second eight sums: H = (b % 16) / 8).
+template <Fmt F, int R, bool FULL, int H>
+ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int64_t b, __m256* acc) {
+  constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
+  const int64_t reg = FULL ? 32 : 4 * n;
+  for (int64_t ahead = PREFETCH; ahead < PREFETCH + n * block_bytes<F>(); ahead += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+  const __m256i live = FULL ? _mm256_set1_epi32(-1)
+                            : _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i w[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < REGS; ++k)
+    w[k] = FULL ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * k))
+                : _mm256_maskload_epi32(reinterpret_cast<const int*>(p + reg * k), live);
+  if constexpr (F == Fmt::Q4_1) {
+    const __m256i low = _mm256_set1_epi8(15);
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      w[4 + k] = _mm256_and_si256(_mm256_srli_epi16(w[k], 4), low);
+      w[k] = _mm256_and_si256(w[k], low);
+    }
+  }
+  const uint8_t* h = p + REGS * reg;
+  __m256 dw, mw;
+  if constexpr (FULL) {
+    dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    mw = F == Fmt::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16))) : dw;
+  } else {
+    alignas(16) uint16_t heads[16] = {};
+    std::memcpy(heads, h, 2 * n);
+    if constexpr (F == Fmt::Q4_1) std::memcpy(heads + 8, h + 2 * n, 2 * n);
+    dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(heads)));
+    mw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(heads + 8)));
+  }
+  const bool two = FULL || n > 4;  // a short group's second quad of x may not exist
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const int8_t* qx = a.qi + (r0 + r) * a.kq + (b / 4) * QUAD;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const __m256i xl = chunk8(qx + 16 * k, qx + QUAD + 16 * k, two);
+      const __m256i xh = chunk8(qx + 64 + 16 * k, qx + QUAD + 64 + 16 * k, two);
+      if constexpr (F == Fmt::Q8_0 && !FLIP) {
+        s0 = dot(s0, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xl, w[k]));
+        s1 = dot(s1, _mm256_abs_epi8(w[4 + k]), _mm256_sign_epi8(xh, w[4 + k]));
+      } else if constexpr (F == Fmt::Q8_0) {
+        const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+        s0 = dot(s0, _mm256_xor_si256(w[k], flip), xl);
+        s1 = dot(s1, _mm256_xor_si256(w[4 + k], flip), xh);
+      } else {
+        s0 = dot(s0, w[k], xl);
+        s1 = dot(s1, w[4 + k], xh);
+      }
+    }
+    __m256i isum = _mm256_add_epi32(s0, s1);
+    const int64_t at = (r0 + r) * a.ld + b;
+    if constexpr (F == Fmt::Q8_0 && FLIP)
+      isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + at)), 7));
+    __m256 c = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a.d + at)), _mm256_cvtepi32_ps(isum));
+    if constexpr (F == Fmt::Q4_1) c = _mm256_add_ps(c, _mm256_mul_ps(mw, _mm256_loadu_ps(a.ds + at)));
+    __m256& ac = acc[2 * r + H];
+    ac = FULL ? _mm256_add_ps(ac, c) : _mm256_blendv_ps(ac, _mm256_add_ps(ac, c), _mm256_castsi256_ps(live));
+  }
+}
+
+// One packed row at p against R rows of x (from row r0): out[r * ldo].
+template <Fmt F, int R>
+ROAD_FN void ptile(const uint8_t* p, const Acts& a, int64_t r0, float* out, int64_t ldo) {
+  constexpr int64_t GB = 8 * block_bytes<F>();
+  __m256 acc[2 * R];
+#pragma GCC unroll 8
+  for (int i = 0; i < 2 * R; ++i) acc[i] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 16 <= a.nb; b += 16, p += 2 * GB) {
+    pgroup<F, R, true, 0>(p, 8, a, r0, b, acc);
+    pgroup<F, R, true, 1>(p + GB, 8, a, r0, b + 8, acc);
+  }
+  const int64_t left = a.nb - b;
+  if (left >= 8) {
+    pgroup<F, R, true, 0>(p, 8, a, r0, b, acc);
+    if (left > 8) pgroup<F, R, false, 1>(p + GB, left - 8, a, r0, b + 8, acc);
+  } else if (left > 0) {
+    pgroup<F, R, false, 0>(p, left, a, r0, b, acc);
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r * ldo] = tree16v(acc[2 * r], acc[2 * r + 1]);
+}
+
+template <Fmt F, int R = TILE>
+ROAD_FN void prows_tile(int xr, const uint8_t* packed, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a,
+                        int64_t r0, float* out, int64_t ldo) {
+  if constexpr (R > 0) {
+    if (xr != R) return prows_tile<F, R - 1>(xr, packed, row_bytes, o0, o1, a, r0, out, ldo);
+    for (int64_t o = o0; o < o1; ++o) ptile<F, R>(packed + o * row_bytes, a, r0, out + o, ldo);
+  }
+}
+
+// Rows 4 g0 .. 4 g1 (up to N) of a packed weight against all B rows of x (its quads transposed): out[r * N + o].
+__attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* packed, int64_t row_bytes, int64_t g0,
+                                                      int64_t g1, const Acts& a, int64_t B, float* out, int64_t N) {
+  const int64_t o0 = 4 * g0, o1 = std::min(4 * g1, N);
+  for (int64_t r0 = 0; r0 < B; r0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, B - r0));
+    if (f == Fmt::Q4_1) prows_tile<Fmt::Q4_1>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
+    else prows_tile<Fmt::Q8_0>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
+  }
+}
 
 #endif
 

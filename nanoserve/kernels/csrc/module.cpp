@@ -12,9 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
   m.def("block_linear_int8", &block_linear_int8, "block_linear with x quantized to int8 blocks (llama.cpp's way)");
   m.def("quantize_activations_int8", &quantize_activations_int8, "x's int8 blocks: (q, d, s)");
-  m.def("pack_blocks_int8", &pack_blocks_int8, "GGUF blocks in the avx512-vnni road's packed layout");
+  m.def("pack_blocks_int8", &pack_blocks_int8, "GGUF blocks in an int8 road's packed layout");
   m.def("block_linear_int8_packed", &block_linear_int8_packed, "block_linear_int8 on packed blocks");
-  m.def("int8_packed_here", &int8_packed_here, "whether this CPU's int8 road runs the packed layout");
+  m.def("int8_packed_here", &int8_packed_here, "whether this CPU's int8 road has a packed layout");
   m.def("int8_road", &int8_road, "the road block_linear_int8 takes on this CPU");
   m.def("int8_roads", &int8_roads, "every road block_linear_int8 can take on this CPU, best first");
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)

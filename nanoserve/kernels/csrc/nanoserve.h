@@ -35,8 +35,9 @@ torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road);
 std::string int8_road();
-torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt);
-torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N);
+torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt, std::string road);
+torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, std::string fmt, int64_t N,
+                                       std::string road);
 bool int8_packed_here();
 std::vector<std::string> int8_roads();
 // A whole prompt's causal attention with bf16 products (attention_bf16.cpp), and whether this CPU can run it.
@@ -72,7 +73,7 @@ class BlockModel {
     bool q4_1;
     int64_t rows, cols;  // the weight's (out, in)
     bool int8;           // x quantized to int8 blocks first (kernels/int8.py)
-    const uint8_t* packed = nullptr;  // int8 on the avx512-vnni road: the same blocks packed (pack_blocks_int8)
+    const uint8_t* packed = nullptr;  // int8 on an x86 road: the same blocks packed (pack_blocks_int8)
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;

@@ -73,8 +73,8 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     if (packed[i].numel() == 0) continue;
     const Matrix& m = mats_[i];
     const int64_t row_bytes = m.cols / 32 * (m.q4_1 ? 20 : 34);
-    TORCH_CHECK(int8[i] && int8_packed_here(), "packed ", i, ": the packed layout is read by the avx512-vnni road, "
-                "for a matrix on int8 activations");
+    TORCH_CHECK(int8[i] && int8_packed_here(), "packed ", i, ": a packed layout is read by an x86 int8 road, for a "
+                "matrix on int8 activations");
     TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
                 packed[i].numel() == (m.rows + 3) / 4 * 4 * row_bytes,
                 "packed ", i, ": expected the ", (m.rows + 3) / 4 * 4 * row_bytes, " bytes pack_blocks_int8 makes");
