@@ -30,7 +30,8 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = None, pack: bool = True,
          weights: str = "fp32", gguf: str | Path | None = None, activations: str = "fp32") -> tuple[Llama, Tokenizer]:
     """The model and tokenizer of a checkpoint folder; with no folder, the fetched SmolLM2
-    (fetched and converted on first use). `pack`: see `load_model`.
+    (fetched and converted on first use). `pack`: see `load_model`; on GGUF blocks, whether int8
+    activations read packed copies of them (`load_gguf`).
 
     `weights="gguf"` keeps the weights as the GGUF file ships them (its Q4_1/Q8_0 blocks, multiplied
     where they lie: `model.gguf_weights`), the file being `gguf` or the fetched one; the numbers are
@@ -53,7 +54,7 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
         if dtype != torch.float32:
             raise ValueError(f"weights='gguf' multiplies its blocks in float32; dtype={dtype} is not possible")
         path = Path(gguf) if gguf else download_gguf(nanoserve_home() / "downloads")
-        return load_gguf(path, activations=activations), Tokenizer.from_folder(folder)
+        return load_gguf(path, activations=activations, pack=pack), Tokenizer.from_folder(folder)
     if activations != "fp32":
         raise ValueError(f"activations={activations!r} multiplies GGUF blocks: it needs weights='gguf'")
     return load_model(folder, dtype, pack=pack), Tokenizer.from_folder(folder)

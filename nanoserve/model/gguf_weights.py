@@ -96,10 +96,12 @@ def _set(module: nn.Module, name: str, w: BlockWeight | nn.Parameter) -> None:
     setattr(module, name, w)
 
 
-def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str = "fp32") -> Llama:
+def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str = "fp32",
+              pack: bool = True) -> Llama:
     """A `Llama` on the GGUF file's blocks, in eval mode: its matrices are `BlockWeight`s where the file
     holds Q4_1/Q8_0 blocks (other types are expanded to fp32), its norms fp32; `activations`: what the
-    blocks multiply (`set_activations`)."""
+    blocks multiply (`set_activations`); `pack=False`: no packed copies for int8 activations (their bytes
+    saved, their speed given up: `BlockWeight.int8_packed`)."""
     from gguf import GGUFReader
 
     path = Path(path)
@@ -138,4 +140,6 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str
             _set(blk, "w_gate_up", _matrix([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")], (2 * F_, C),
                                            p + "ffn_gate_up"))
             _set(blk, "w_down", _matrix([get(p + "ffn_down.weight")], (C, F_), p + "ffn_down"))
+    for w in model.block_weights():
+        w.keep_packed = pack
     return set_activations(model, activations).eval()

@@ -192,13 +192,15 @@ class BlockWeight(nn.Module):
         self.register_buffer("blocks", blocks.contiguous())  # (out, in / 32 * bytes) uint8
         self.shape = torch.Size((blocks.shape[0], in_features))
         self._int8_packed: tuple[int, Tensor] | None = None
+        self.keep_packed = True  # whether int8_packed may keep a copy (`load(..., pack=False)`: not)
 
     def int8_packed(self) -> Tensor | None:
         """The blocks in the int8 product's packed layout, for int8 activations on a CPU whose road has one
         (`kernels.int8.packed_here`: the x86 roads), else None. Made on first use and kept beside the blocks
         (their bytes again, as `pack` keeps oneDNN's copy of an fp32 matrix); the blocks are the checkpoint's,
         never written."""
-        if self.activations != "int8" or self.blocks.device.type != "cpu" or not int8.packed_here():
+        if not self.keep_packed or self.activations != "int8" or self.blocks.device.type != "cpu" \
+                or not int8.packed_here():
             return None
         if self._int8_packed is None or self._int8_packed[0] != self.blocks.data_ptr():
             self._int8_packed = (self.blocks.data_ptr(), int8.pack(self.blocks, self.fmt))

@@ -10,7 +10,7 @@ import nanoserve
 from nanoserve import LLM, SamplingParams, generate
 from nanoserve.config import CheckpointError
 from nanoserve.engine import LLMEngine
-from nanoserve.kernels import quant
+from nanoserve.kernels import int8, quant
 from nanoserve.model import Llama
 from nanoserve.model.gguf_weights import load_gguf, to_blocks
 from nanoserve.model.matmul import BlockWeight
@@ -126,3 +126,15 @@ def test_llm_serves_the_blocks_with_the_same_api(gguf_model, tok):
     for p, o in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         assert o.outputs[0].token_ids == generate(gguf_model, tok.encode(p), params, tok).token_ids
     assert quant.load() is not None or quant.unavailable_reason()
+
+
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
+def test_pack_false_keeps_no_packed_copy_and_the_same_logits(model_dir):
+    """`load(pack=False)` trades the int8 copies' memory for their speed; the numbers stay the same."""
+    packed = nanoserve.load(model_dir, weights="gguf", activations="int8")[0]
+    bare = nanoserve.load(model_dir, weights="gguf", activations="int8", pack=False)[0]
+    assert all(w.int8_packed() is not None for w in packed.block_weights())
+    assert all(w.int8_packed() is None for w in bare.block_weights())
+    ids = torch.tensor([[1, 504, 3458, 314, 4455, 282]])
+    with torch.inference_mode():
+        assert torch.equal(packed(ids), bare(ids))
