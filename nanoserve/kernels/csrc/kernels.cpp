@@ -195,27 +195,83 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
   }
 }
 
+// Two vectors' lanes, picked by index: 0..LANES-1 from a, LANES..2 LANES-1 from b.
+#if defined(__clang__)
+#define PICK_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PICK_LANES(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
+#endif
+
+// tree16's stages: a's and b's lanes added in hsum's pairs (8 apart, then 4, 2, 1), both at once; a's sums
+// stay in the lower half of each group of lanes, b's in the upper.
+inline vec halves(vec a, vec b) {
+  return PICK_LANES(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31) +
+         PICK_LANES(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
+}
+inline vec quarters(vec a, vec b) {
+  return PICK_LANES(a, b, 0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31) +
+         PICK_LANES(a, b, 4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
+}
+inline vec eighths(vec a, vec b) {
+  return PICK_LANES(a, b, 0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31) +
+         PICK_LANES(a, b, 2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29);
+}
+inline vec pairs(vec a, vec b) {
+  return PICK_LANES(a, b, 0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31) +
+         PICK_LANES(a, b, 1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
+}
+// hsum of sixteen vectors at once: lane j of the result is hsum(a[j]), bit for bit, since every stage adds the
+// pairs hsum adds, in its order. One add serves two vectors, so the four stages take 15 adds where sixteen
+// hsums take 64. The stages leave input k in lane REV[k]; fed in REV's order (a bit reversal is its own
+// inverse), key j comes out in lane j.
+constexpr int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline vec tree16(const vec* a) {
+  vec t[8], u[4];
+  for (int m = 0; m < 8; ++m) t[m] = halves(a[REV[2 * m]], a[REV[2 * m + 1]]);
+  for (int m = 0; m < 4; ++m) u[m] = quarters(t[2 * m], t[2 * m + 1]);
+  return pairs(eighths(u[0], u[1]), eighths(u[2], u[3]));
+}
+
 // Scores of `heads` query heads of one query (row at qrow, head h at qrow + h * D) over n keys whose slots
-// start at kd + at[l], key by key (each slot read once): scores[h * n + l]. A decode step's keys come from
-// memory, not cache (the weights streamed since their layer last ran), so each key's numbers are asked for
-// AHEAD keys before their turn, and its values (read once the scores are done, at vd + at[l]) now, into L2.
+// start at kd + at[l]: scores[h * n + l] = dot(q_h, k_l) * scale. Key by key, each slot read once for every
+// head; with D a multiple of LANES, each score's running sums are kept (dot's, lane for lane) and every LANES
+// keys reduced together (tree16), a shared tree in place of a horizontal sum per score. A decode step's keys
+// come from memory, not cache (the weights streamed since their layer last ran), so each key's numbers are
+// asked for AHEAD keys before their turn, and its values (read once the scores are done, at vd + at[l]) now.
 template <class T>
 void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* at, int64_t n, int64_t heads,
                    int64_t h_first, int64_t rep, int64_t D, float scale, float* scores) {
   constexpr int64_t AHEAD = 16;
   const int64_t span0 = (h_first / rep) * D, span1 = ((h_first + heads - 1) / rep + 1) * D;  // the kv heads read
+  const bool tiles = D % LANES == 0;
+  std::vector<vec> sums(tiles ? heads * LANES : 0);  // (head, key of the tile): running sums
+  std::vector<int64_t> kv(heads);                    // where each head's kv head starts in a slot
+  for (int64_t h = 0; h < heads; ++h) kv[h] = ((h_first + h) / rep) * D;
   for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
     for (int64_t d = span0; d < span1; d += 16) __builtin_prefetch(kd + at[l] + d);
+  const int64_t tiled = tiles ? n / LANES * LANES : 0;  // keys reduced LANES at a time; the rest one by one
   for (int64_t l = 0; l < n; ++l) {
     const T* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
     for (int64_t d = span0; d < span1; d += 16) {
       __builtin_prefetch(ahead + d);
       __builtin_prefetch(vd + at[l] + d, 0, 2);
     }
-    for (int64_t h = 0; h < heads; ++h) {
-      const T* k = kd + at[l] + ((h_first + h) / rep) * D;  // the head's kv head, in key l's slot
-      scores[h * n + l] = dot(qrow + h * D, k, D) * scale;
+    if (l >= tiled) {
+      for (int64_t h = 0; h < heads; ++h) scores[h * n + l] = dot(qrow + h * D, kd + at[l] + kv[h], D) * scale;
+      continue;
     }
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* q = qrow + h * D;
+      const T* k = kd + at[l] + kv[h];
+      vec acc = {};
+      for (int64_t i = 0; i < D; i += LANES) acc += *reinterpret_cast<const vec*>(q + i) * load_lanes(k + i);
+      sums[h * LANES + l % LANES] = acc;
+    }
+    if (l % LANES == LANES - 1)
+      for (int64_t h = 0; h < heads; ++h) {
+        const vec s = tree16(sums.data() + h * LANES) * scale;
+        std::memcpy(scores + h * n + l - (LANES - 1), &s, sizeof(s));
+      }
   }
 }
 
