@@ -328,17 +328,22 @@ const Road& pick(const std::string& name) {
   return ROADS[0];
 }
 
-// x (B, K) float32, contiguous, quantized row by row by `road` into one buffer: qi, then d, ds, s.
+// x (B, K) float32, contiguous, quantized row by row by `road` into one buffer: qi, then d, ds, s. The buffer is
+// the calling thread's, reused by its next call (a product's quantized x lives until the product returns): no
+// allocation per product, which a decode step makes over a hundred of.
 struct Quantized {
-  torch::Tensor buffer;
+  uint8_t* buffer;
   Acts acts;
 };
 
 Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
   const int64_t nb = K / QK, kq = (nb + 3) / 4 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
+  const size_t bytes = static_cast<size_t>(B * (kq + 3 * ld * 4));
+  thread_local std::vector<uint8_t> kept;
+  if (kept.size() < bytes + 64) kept.resize(bytes + 64);
   Quantized z;
-  z.buffer = torch::empty({B * (kq + 3 * ld * 4)}, torch::TensorOptions().dtype(torch::kUInt8));
-  int8_t* qi = reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>());
+  z.buffer = kept.data() + (64 - reinterpret_cast<uintptr_t>(kept.data()) % 64) % 64;  // 64-byte aligned
+  int8_t* qi = reinterpret_cast<int8_t*>(z.buffer);
   float* d = reinterpret_cast<float*>(qi + B * kq);  // kq and ld * 4 are multiples of 64: every part aligned
   float* ds = d + B * ld;
   int32_t* s = reinterpret_cast<int32_t*>(ds + B * ld);
@@ -448,7 +453,7 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
-  transpose_halves(reinterpret_cast<int8_t*>(z.buffer.data_ptr<uint8_t>()), B * z.acts.kq / 64);  // qi, in place
+  transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
   at::parallel_for(0, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS)

@@ -604,10 +604,23 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                   query_start_loc.is_contiguous(), "query_start_loc: expected ", R + 1, " contiguous int64");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.size(0) == R &&
                   block_tables.is_contiguous(), "block_tables: expected contiguous int64 (", R, ", W)");
-  const int64_t W = block_tables.size(1), rep = H / K;
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* qsl = query_start_loc.data_ptr<int64_t>();
+  auto out = torch::empty({N, H * D}, q.options());
+  paged_attention_rows(q.data_ptr<float>(), k_pool.data_ptr(), v_pool.data_ptr(),
+                       k_pool.scalar_type() == torch::kBFloat16, N, H, D, NB, BS, K,
+                       query_start_loc.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                       block_tables.data_ptr<int64_t>(), R, block_tables.size(1), scale, split_keys,
+                       out.data_ptr<float>());
+  return out;
+}
+
+// paged_attention on raw pointers, for a caller that has checked the tensors (step.cpp): q (N, H, D), the pools
+// (NB, BS, K, D) of float, or of bf16 if `bf16`, the step's metadata, and out (N, H * D). Each request's lengths
+// and block ids are checked here.
+void paged_attention_rows(const float* qd, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
+                          int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* qsl, const int64_t* lens,
+                          const int64_t* tables, int64_t R, int64_t W, double scale, int64_t split_keys,
+                          float* od) {
+  const int64_t rep = H / K;
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
   constexpr int64_t TILE = 16;  // queries of one request handled by one task
@@ -631,9 +644,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
     return lens[a[0]] - (qsl[a[0] + 1] - qsl[a[0]]) + a[2] > lens[b[0]] - (qsl[b[0] + 1] - qsl[b[0]]) + b[2];
   });
-  auto out = torch::zeros({N, H * D}, q.options());
-  const float* qd = q.data_ptr<float>();
-  float* od = out.data_ptr<float>();
+  std::memset(od + qsl[R] * H * D, 0, (N - qsl[R]) * H * D * sizeof(float));  // padding rows
   const float fscale = static_cast<float>(scale);
   // A task is a tile and all its kv heads (each key slot holds every kv head's numbers side by side: read
   // once), unless there are too few tiles to keep every thread busy: then a tile and one kv head. Either
@@ -699,9 +710,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
     });
     if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
   };
-  if (k_pool.scalar_type() == torch::kBFloat16)
-    attend(reinterpret_cast<const uint16_t*>(k_pool.data_ptr()), reinterpret_cast<const uint16_t*>(v_pool.data_ptr()));
+  if (bf16)
+    attend(static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool));
   else
-    attend(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
-  return out;
+    attend(static_cast<const float*>(k_pool), static_cast<const float*>(v_pool));
 }

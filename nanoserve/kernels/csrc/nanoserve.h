@@ -29,6 +29,10 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
                               double scale, int64_t split_keys);
+void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
+                          int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* query_start_loc,
+                          const int64_t* seq_lens, const int64_t* block_tables, int64_t R, int64_t W, double scale,
+                          int64_t split_keys, float* out);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
 torch::Tensor argmax_rows(torch::Tensor logits);
 // The block product on int8 activations (int8.cpp).

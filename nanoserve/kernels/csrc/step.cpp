@@ -117,16 +117,26 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   }
   for (int64_t r = 0; r < R; ++r)
     TORCH_CHECK(last[r] >= 0 && last[r] < n, "last_rows: ", last[r], " is not a row of the step's ", n);
+  // the attention metadata's tensors, checked once; each request's lengths and blocks are checked where read
+  const int64_t R_req = seq_lens.numel();
+  check_i64(seq_lens, -1, "seq_lens");
+  check_i64(query_start_loc, R_req + 1, "query_start_loc");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 &&
+              block_tables.size(0) == R_req && block_tables.is_contiguous(),
+              "block_tables: expected contiguous int64 (", R_req, ", W)");
+  const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
 
   // the step's numbers, each buffer reused by every layer
   const auto f32 = cos_table.options();
   torch::Tensor stream = torch::empty({n, C}, f32), stream2 = torch::empty({n, C}, f32), h = torch::empty({n, C}, f32);
   torch::Tensor qkv = torch::empty({n, HT, D}, f32), q = torch::empty({n, H, D}, f32);
   torch::Tensor o = torch::empty({n, C}, f32), gu = torch::empty({n, 2 * I}, f32), act = torch::empty({n, I}, f32);
-  torch::Tensor cs = torch::empty({2, n, D}, f32);
+  torch::Tensor cs = torch::empty({2, n, D}, f32), attn = torch::empty({n, H * D}, f32);
   float *xs = stream.data_ptr<float>(), *x2 = stream2.data_ptr<float>(), *hp = h.data_ptr<float>();
   float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *op = o.data_ptr<float>();
   float *gup = gu.data_ptr<float>(), *ap = act.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = cp + n * D;
+  float* attnp = attn.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
@@ -143,17 +153,17 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
     product(w[0], hp, n, qkvp);
     rope_rows(qkvp, cp, sp, n, HT, H + K, D);
-    float* kp = k_cache.select(0, layer).data_ptr<float>();
-    float* vp = v_cache.select(0, layer).data_ptr<float>();
+    float* kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0);
+    float* vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
     for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
       const float* row = qkvp + i * HT * D;
       std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
       std::memcpy(kp + slot[i] * width, row + H * D, width * sizeof(float));
       std::memcpy(vp + slot[i] * width, row + (H + K) * D, width * sizeof(float));
     }
-    torch::Tensor attn = paged_attention(q, k_cache.select(0, layer), v_cache.select(0, layer), query_start_loc,
-                                         seq_lens, block_tables, scale, split_keys);
-    product(w[1], attn.data_ptr<float>(), n, op);
+    paged_attention_rows(qp, kp, vp, false, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables, R_req,
+                         block_tables.size(1), scale, split_keys, attnp);
+    product(w[1], attnp, n, op);
     add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
     // the MLP: x + w_down(silu(gate) * up)
     product(w[2], hp, n, gup);
