@@ -1,13 +1,13 @@
 """`python -m nanoserve bench numerics`: what bf16 and int8 activations buy in speed and cost in numbers (Day 42).
 
 Four formats of one checkpoint, loaded side by side: fp32 (the exact default), bf16 (matrices and K/V in bf16,
-`load(dtype="bfloat16")`), the GGUF's blocks on fp32 activations (the fp32 numbers, a fifth of the bytes) and
-the blocks on int8 activations (`activations="int8"`). Against fp32, on text that ships with Python itself
-(`pydoc_data`, no download): logit error (max, mean), perplexity, and greedy agreement over many prompts (where
-the first divergence falls, and fp32's lead there). Then speed, formats interleaved: prefill tok/s, decode
-tok/s at each batch size through the engine, batch 1's weight bytes as a fraction of the measured read
-bandwidth, and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32)
-and one row per greedy prompt (`-greedy.csv`).
+`load(dtype="bfloat16")`), the GGUF's blocks on fp32 activations (the fp32 numbers, a fifth of the bytes) and the
+blocks on int8 activations (`activations="int8"`). Against fp32, on text that ships with Python itself
+(`pydoc_data`, no download): logit error (max, mean), perplexity, and greedy agreement over many prompts (where the
+first divergence falls, and fp32's lead there). Then speed, formats interleaved: prefill tok/s, decode tok/s at
+each batch size through the engine, batch 1's weight bytes as a fraction of the read bandwidth (measured just
+before each batch-1 decode; the median of each decode's fraction), and goodput on a ragged arrival trace. One
+long-format CSV (format, measure, size, value, vs_fp32) and one row per greedy prompt (`-greedy.csv`).
 """
 
 from __future__ import annotations
@@ -137,16 +137,21 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             times = interleaved([lambda m=m, ids=ids: m(ids, last_only=True) for m in models.values()], args.repeats)
             rows += [dict(format=f, measure="prefill_tok_s", size=ctx, value=ctx / statistics.median(t))
                      for f, t in zip(formats, times)]
-    read_bw = measure_bandwidth()[0]
+    bandwidths: list[float] = []
     for b in args.batch_sizes:
-        per_round = [[decode_tok_s(m, tok, prompts[:b], args.steps) for m in models.values()]
+        # per round, per format: (tok/s, at batch 1 the read bandwidth measured just before it): a shared
+        # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
+        per_round = [[(measure_bandwidth(2**28, 3)[0] if b == 1 else 0.0,
+                       decode_tok_s(m, tok, prompts[:b], args.steps)) for m in models.values()]
                      for _ in range(args.repeats)]
         for i, f in enumerate(formats):
-            tok_s = statistics.median(r[i] for r in per_round)
+            tok_s = statistics.median(r[i][1] for r in per_round)
             rows.append(dict(format=f, measure="decode_tok_s", size=b, value=tok_s))
             if b == 1:
-                rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1,
-                                 value=models[f].weight_bytes() * tok_s / read_bw))
+                bandwidths += [r[i][0] for r in per_round]
+                rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1, value=statistics.median(
+                    models[f].weight_bytes() * t / bw for bw, t in (r[i] for r in per_round))))
+    read_bw = statistics.median(bandwidths) if bandwidths else measure_bandwidth()[0]
     w = ragged_workload(tok, args.requests, seed=args.seed)
     for rate in args.rates:
         trace = arrival_times(args.requests, rate, 1.0, args.seed)
