@@ -127,6 +127,18 @@ def test_add_rms_norm_widens_a_bf16_residual_and_rounds_h_once(compiled):
         x, None, w, 1e-5)[1].bfloat16())
 
 
+def test_bf16_rows_are_narrowed_from_any_address(compiled):
+    """add_rms_norm narrows h from a row buffer of its own, whose address depends on the row's width: every width
+    gives the fp32 loop's numbers rounded once (a narrowing that assumed an aligned buffer faulted on some)."""
+    for C in range(1, 130):
+        x = torch.randn(3, C, generator=torch.Generator().manual_seed(C))
+        w = torch.rand(C, generator=torch.Generator().manual_seed(C + 1)) + 0.5
+        h = kernels.add_rms_norm(x, None, w, 1e-5, torch.bfloat16)[1]
+        assert torch.equal(h, kernels.add_rms_norm(x, None, w, 1e-5)[1].bfloat16()), C
+        gate_up = x.repeat(1, 2).bfloat16()
+        assert torch.equal(kernels.silu_mul(gate_up), kernels.silu_mul(gate_up.float()).bfloat16()), C
+
+
 def test_the_kernels_refuse_the_wrong_dtype_or_layout(compiled):
     with pytest.raises(RuntimeError, match="x: expected a float32 CPU tensor"):
         kernels.add_rms_norm(torch.ones(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)

@@ -97,7 +97,7 @@ inline float sum_of(const float* x, int64_t n) {
 // A K/V pool holds float or bf16 numbers (bf16: the top half of a float's bits, stored as uint16_t). Reading
 // one widens it to float exactly: a shift, which vectorizes; every sum after it is the fp32 loop's.
 typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
-typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));  // (loads: any float)
 inline vec load_lanes(const float* p) { return *reinterpret_cast<const vec*>(p); }
 inline vec load_lanes(const uint16_t* p) {
   return reinterpret_cast<vec>(__builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16);
