@@ -21,32 +21,86 @@ namespace {
 
 constexpr int LANES = 16;
 constexpr int64_t HEADS_AT_ONCE = 16;  // query heads whose softmax rows are made ready together
-// LANES floats as one value: +, * act lane by lane (one AVX-512 register, two AVX2 ones); aligned(4) lets
-// it load from any float address. Lane j's arithmetic is the same whatever the vector unit.
-typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
-
 typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 #if defined(__clang__)
 #define SWAP_LANES(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define PICK_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SWAP_LANES(v, ...) __builtin_shuffle(v, (ivec){__VA_ARGS__})
+#define PICK_LANES(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
+#endif
+
+// `vec`: LANES floats as one value, + and * lane by lane, so lane j's arithmetic is the same whatever the vector
+// unit. With AVX-512 it is one register. AVX2 has no register for 16 floats: GCC would keep such a value in
+// memory and send every add through the stack, so there `vec` is two 8-float halves, a register each, and each
+// operation acts half by half (the same lanes, the same bits). `wvec`: WIDE floats, one register, for loops whose
+// answer does not depend on the lane count (comparisons, bit conversions). aligned(4): loads from any float.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define NANOSERVE_SPLIT_VEC 1
+constexpr int WIDE = 8;
+typedef float wvec __attribute__((vector_size(WIDE * sizeof(float)), aligned(4)));
+typedef int32_t wivec __attribute__((vector_size(WIDE * sizeof(int32_t))));
+struct vec {
+  wvec lo, hi;
+  float operator[](int j) const { return j < WIDE ? lo[j] : hi[j - WIDE]; }
+  vec& operator+=(const vec& b) {
+    lo += b.lo;
+    hi += b.hi;
+    return *this;
+  }
+  vec& operator*=(float s) {
+    lo *= s;
+    hi *= s;
+    return *this;
+  }
+};
+inline vec operator*(const vec& a, const vec& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+inline vec operator*(float s, const vec& a) { return {s * a.lo, s * a.hi}; }
+inline vec operator*(const vec& a, float s) { return {a.lo * s, a.hi * s}; }
+inline vec load_lanes(const float* p) {
+  return {*reinterpret_cast<const wvec*>(p), *reinterpret_cast<const wvec*>(p + WIDE)};
+}
+inline void store_lanes(float* p, const vec& v) {
+  *reinterpret_cast<wvec*>(p) = v.lo;
+  *reinterpret_cast<wvec*>(p + WIDE) = v.hi;
+}
+#if defined(__clang__)
+#define PICK_HALF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PICK_HALF(a, b, ...) __builtin_shuffle(a, b, (wivec){__VA_ARGS__})
+#endif
+#else
+constexpr int WIDE = LANES;
+typedef float vec __attribute__((vector_size(LANES * sizeof(float)), aligned(4)));
+typedef vec wvec;
+typedef ivec wivec;
+inline vec load_lanes(const float* p) { return *reinterpret_cast<const vec*>(p); }
+inline void store_lanes(float* p, vec v) { *reinterpret_cast<vec*>(p) = v; }
 #endif
 
 // The sum of v's lanes as a fixed tree: halves, quarters, eighths, pairs. A few vector instructions, and
 // the same bits on any CPU.
 inline float hsum(vec v) {
+#ifdef NANOSERVE_SPLIT_VEC
+  wvec h = v.lo + v.hi;  // the halves' sum: lanes 0..7 of the tree's first stage
+  h += PICK_HALF(h, h, 4, 5, 6, 7, 0, 1, 2, 3);
+  h += PICK_HALF(h, h, 2, 3, 0, 1, 6, 7, 4, 5);
+  h += PICK_HALF(h, h, 1, 0, 3, 2, 5, 4, 7, 6);
+  return h[0];
+#else
   v += SWAP_LANES(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
   v += SWAP_LANES(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
   v += SWAP_LANES(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   v += SWAP_LANES(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
   return v[0];
+#endif
 }
 
 // a . b as LANES running sums (lane j takes elements j, j + LANES, ...), summed by hsum, then the tail.
 inline float dot(const float* a, const float* b, int64_t n) {
   vec acc = {};
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(a + i) * *reinterpret_cast<const vec*>(b + i);
+  for (; i + LANES <= n; i += LANES) acc += load_lanes(a + i) * load_lanes(b + i);
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
@@ -67,17 +121,17 @@ __attribute__((always_inline)) inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-// The largest of x[0..n) (n >= 1), LANES at a time: exact, so any order gives the same number.
+// The largest of x[0..n) (n >= 1), WIDE at a time: exact, so any order gives the same number.
 inline float max_of(const float* x, int64_t n) {
   float m = x[0];
   int64_t i = 0;
-  if (n >= LANES) {
-    vec acc = *reinterpret_cast<const vec*>(x);
-    for (i = LANES; i + LANES <= n; i += LANES) {
-      const vec y = *reinterpret_cast<const vec*>(x + i);
+  if (n >= WIDE) {
+    wvec acc = *reinterpret_cast<const wvec*>(x);
+    for (i = WIDE; i + WIDE <= n; i += WIDE) {
+      const wvec y = *reinterpret_cast<const wvec*>(x + i);
       acc = acc > y ? acc : y;
     }
-    for (int j = 0; j < LANES; ++j) m = std::max(m, acc[j]);
+    for (int j = 0; j < WIDE; ++j) m = std::max(m, acc[j]);
   }
   for (; i < n; ++i) m = std::max(m, x[i]);
   return m;
@@ -87,7 +141,7 @@ inline float max_of(const float* x, int64_t n) {
 inline float sum_of(const float* x, int64_t n) {
   vec acc = {};
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(x + i);
+  for (; i + LANES <= n; i += LANES) acc += load_lanes(x + i);
   float s = 0.f;
   for (int j = 0; j < LANES; ++j) s += acc[j];
   for (; i < n; ++i) s += x[i];
@@ -96,18 +150,22 @@ inline float sum_of(const float* x, int64_t n) {
 
 // A K/V pool holds float or bf16 numbers (bf16: the top half of a float's bits, stored as uint16_t). Reading
 // one widens it to float exactly: a shift, which vectorizes; every sum after it is the fp32 loop's.
-typedef uint16_t hvec __attribute__((vector_size(LANES * sizeof(uint16_t)), aligned(2)));
-typedef uint32_t uvec __attribute__((vector_size(LANES * sizeof(uint32_t)), aligned(4)));  // (loads: any float)
-inline vec load_lanes(const float* p) { return *reinterpret_cast<const vec*>(p); }
-inline vec load_lanes(const uint16_t* p) {
-  return reinterpret_cast<vec>(__builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16);
+typedef uint16_t hvec __attribute__((vector_size(WIDE * sizeof(uint16_t)), aligned(2)));
+typedef uint32_t uvec __attribute__((vector_size(WIDE * sizeof(uint32_t)), aligned(4)));  // (loads: any float)
+inline wvec widen_lanes(const uint16_t* p) {
+  return reinterpret_cast<wvec>(__builtin_convertvector(*reinterpret_cast<const hvec*>(p), uvec) << 16);
 }
+#ifdef NANOSERVE_SPLIT_VEC
+inline vec load_lanes(const uint16_t* p) { return {widen_lanes(p), widen_lanes(p + WIDE)}; }
+#else
+inline vec load_lanes(const uint16_t* p) { return widen_lanes(p); }
+#endif
 
 // a . b for a float a and a pool's b: dot's sums in dot's order.
 inline float dot(const float* a, const uint16_t* b, int64_t n) {
   vec acc = {};
   int64_t i = 0;
-  for (; i + LANES <= n; i += LANES) acc += *reinterpret_cast<const vec*>(a + i) * load_lanes(b + i);
+  for (; i + LANES <= n; i += LANES) acc += load_lanes(a + i) * load_lanes(b + i);
   float s = hsum(acc);
   for (; i < n; ++i) s += a[i] * widen(b[i]);
   return s;
@@ -136,8 +194,7 @@ inline void value_run(const float* const* p, int64_t n, const T* v, const int64_
   }
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 4; ++c) {
-      const vec o = acc[h][c] * inv[h];
-      for (int j = 0; j < LANES; ++j) out[h * D + c * LANES + j] = o[j];
+      store_lanes(out + h * D + c * LANES, acc[h][c] * inv[h]);
     }
 }
 
@@ -195,15 +252,30 @@ void value_sums(float* scores, int64_t stride, int64_t n, int64_t heads, int64_t
   }
 }
 
-// Two vectors' lanes, picked by index: 0..LANES-1 from a, LANES..2 LANES-1 from b.
-#if defined(__clang__)
-#define PICK_LANES(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define PICK_LANES(a, b, ...) __builtin_shuffle(a, b, (ivec){__VA_ARGS__})
-#endif
-
 // tree16's stages: a's and b's lanes added in hsum's pairs (8 apart, then 4, 2, 1), both at once; a's sums
-// stay in the lower half of each group of lanes, b's in the upper.
+// stay in the lower half of each group of lanes, b's in the upper. (PICK_LANES: lanes 0..15 are a's, 16..31 b's.)
+#ifdef NANOSERVE_SPLIT_VEC
+// Two halves: the first stage adds a's halves and b's; each later stage is the same pick within each half.
+inline vec halves(const vec& a, const vec& b) { return {a.lo + a.hi, b.hi + b.lo}; }
+inline vec quarters(const vec& a, const vec& b) {
+  auto f = [](wvec x, wvec y) {
+    return PICK_HALF(x, y, 0, 1, 2, 3, 12, 13, 14, 15) + PICK_HALF(x, y, 4, 5, 6, 7, 8, 9, 10, 11);
+  };
+  return {f(a.lo, b.lo), f(a.hi, b.hi)};
+}
+inline vec eighths(const vec& a, const vec& b) {
+  auto f = [](wvec x, wvec y) {
+    return PICK_HALF(x, y, 0, 1, 10, 11, 4, 5, 14, 15) + PICK_HALF(x, y, 2, 3, 8, 9, 6, 7, 12, 13);
+  };
+  return {f(a.lo, b.lo), f(a.hi, b.hi)};
+}
+inline vec pairs(const vec& a, const vec& b) {
+  auto f = [](wvec x, wvec y) {
+    return PICK_HALF(x, y, 0, 9, 2, 11, 4, 13, 6, 15) + PICK_HALF(x, y, 1, 8, 3, 10, 5, 12, 7, 14);
+  };
+  return {f(a.lo, b.lo), f(a.hi, b.hi)};
+}
+#else
 inline vec halves(vec a, vec b) {
   return PICK_LANES(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31) +
          PICK_LANES(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
@@ -220,6 +292,7 @@ inline vec pairs(vec a, vec b) {
   return PICK_LANES(a, b, 0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31) +
          PICK_LANES(a, b, 1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
 }
+#endif
 // hsum of sixteen vectors at once: lane j of the result is hsum(a[j]), bit for bit, since every stage adds the
 // pairs hsum adds, in its order. One add serves two vectors, so the four stages take 15 adds where sixteen
 // hsums take 64. The stages leave input k in lane REV[k]; fed in REV's order (a bit reversal is its own
@@ -264,13 +337,12 @@ void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* a
       const float* q = qrow + h * D;
       const T* k = kd + at[l] + kv[h];
       vec acc = {};
-      for (int64_t i = 0; i < D; i += LANES) acc += *reinterpret_cast<const vec*>(q + i) * load_lanes(k + i);
+      for (int64_t i = 0; i < D; i += LANES) acc += load_lanes(q + i) * load_lanes(k + i);
       sums[h * LANES + l % LANES] = acc;
     }
     if (l % LANES == LANES - 1)
       for (int64_t h = 0; h < heads; ++h) {
-        const vec s = tree16(sums.data() + h * LANES) * scale;
-        std::memcpy(scores + h * n + l - (LANES - 1), &s, sizeof(s));
+        store_lanes(scores + h * n + l - (LANES - 1), tree16(sums.data() + h * LANES) * scale);
       }
   }
 }
@@ -281,15 +353,15 @@ void check_f32(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
-// A row of bf16 (uint16_t) widened into floats, and floats narrowed into bf16, LANES at a time (the narrowing's
+// A row of bf16 (uint16_t) widened into floats, and floats narrowed into bf16, WIDE at a time (the narrowing's
 // NaN test as a lane select, so the loop stays vector code).
 void widen_row(const uint16_t* x, int64_t n, float* out) {
   int64_t c = 0;
-  for (; c + LANES <= n; c += LANES) *reinterpret_cast<vec*>(out + c) = load_lanes(x + c);
+  for (; c + WIDE <= n; c += WIDE) *reinterpret_cast<wvec*>(out + c) = widen_lanes(x + c);
   for (; c < n; ++c) out[c] = widen(x[c]);
 }
 
-// LANES floats' bits -> each one's bf16 (narrow_bf16, lane by lane) in the low half of its lane.
+// WIDE floats' bits -> each one's bf16 (narrow_bf16, lane by lane) in the low half of its lane.
 inline uvec narrow_lanes(uvec u) {
   const uvec rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded;
@@ -297,7 +369,7 @@ inline uvec narrow_lanes(uvec u) {
 
 void narrow_row(const float* x, int64_t n, uint16_t* out) {
   int64_t c = 0;
-  for (; c + LANES <= n; c += LANES)
+  for (; c + WIDE <= n; c += WIDE)
     *reinterpret_cast<hvec*>(out + c) = __builtin_convertvector(narrow_lanes(*reinterpret_cast<const uvec*>(x + c)),
                                                                 hvec);
   for (; c < n; ++c) out[c] = narrow_bf16(x[c]);
@@ -392,7 +464,7 @@ void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_
 // .to(torch.bfloat16).to(torch.float32) gives, in place, in one pass.
 void round_bf16_(float* x, int64_t n) {
   int64_t c = 0;
-  for (; c + LANES <= n; c += LANES) {  // (memcpy: x may be unaligned)
+  for (; c + WIDE <= n; c += WIDE) {  // (memcpy: x may be unaligned)
     uvec u;
     std::memcpy(&u, x + c, sizeof u);
     u = narrow_lanes(u) << 16;
@@ -470,7 +542,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
 }
 
 // Each row's argmax: logits (B, V) -> (B,) int64, the first index of the row's largest value, a NaN counting
-// as largest, as torch.argmax answers. Comparisons only, one pass: LANES running maxima, each with the first
+// as largest, as torch.argmax answers. Comparisons only, one pass: WIDE running maxima, each with the first
 // index it was seen at (a larger value replaces it, an equal one does not), then the lanes compared; a row
 // holding a NaN is searched for its first NaN instead.
 torch::Tensor argmax_rows(torch::Tensor logits) {
@@ -487,21 +559,22 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
       float m = x[0];
       int64_t best = 0, i = 0;
       bool nan = false;
-      if (V >= LANES) {
-        vec acc = *reinterpret_cast<const vec*>(x);
-        ivec at = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}, now = at;
-        ivec seen = acc != acc;
-        for (i = LANES; i + LANES <= V; i += LANES) {
-          const vec y = *reinterpret_cast<const vec*>(x + i);
-          now += LANES;
-          const ivec larger = y > acc;
+      if (V >= WIDE) {
+        wvec acc = *reinterpret_cast<const wvec*>(x);
+        wivec at, seen = acc != acc;
+        for (int j = 0; j < WIDE; ++j) at[j] = j;
+        wivec now = at;
+        for (i = WIDE; i + WIDE <= V; i += WIDE) {
+          const wvec y = *reinterpret_cast<const wvec*>(x + i);
+          now += WIDE;
+          const wivec larger = y > acc;
           acc = larger ? y : acc;
           at = larger ? now : at;
           seen |= y != y;
         }
         m = acc[0];
         best = at[0];
-        for (int j = 1; j < LANES; ++j) {
+        for (int j = 1; j < WIDE; ++j) {
           nan = nan || seen[j];
           if (acc[j] > m || (acc[j] == m && at[j] < best)) m = acc[j], best = at[j];
         }
@@ -695,7 +768,7 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
             for (int64_t h = 0; h < rep; ++h) {
               const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
               vec acc = {};
-              for (int64_t d = 0; d < D; ++d) acc += qr[d] * *reinterpret_cast<const vec*>(kt.data() + d * LANES);
+              for (int64_t d = 0; d < D; ++d) acc += qr[d] * load_lanes(kt.data() + d * LANES);
               acc *= fscale;
               float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
               const int64_t m = std::min<int64_t>(kn, n - l0);
