@@ -308,17 +308,12 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
       std::vector<float> wf(K);
       for (int64_t o = begin; o < end; ++o) {
         expand_row<F>(w + o * row_bytes, nb, wf.data());
-        const int64_t tiles = (B + EXPANDED_TILE - 1) / EXPANDED_TILE;  // of 2 or 3 rows: 4 is 2 + 2, not 3 + 1
+        const int64_t tiles = (B + EXPANDED_TILE - 1) / EXPANDED_TILE;  // B >= 5 rows as even tiles of 2 or 3
         for (int64_t t = 0, b0 = 0; t < tiles; ++t) {
           const int64_t rows = B / tiles + (t < B % tiles);
-          const float* xr = x + b0 * K;
-          float* orow = out + b0 * N + o;
+          if (rows == 3) expanded_tile<3>(wf.data(), nb, x + b0 * K, K, out + b0 * N + o, N);
+          else expanded_tile<2>(wf.data(), nb, x + b0 * K, K, out + b0 * N + o, N);
           b0 += rows;
-          switch (rows) {
-            case 1: expanded_tile<1>(wf.data(), nb, xr, K, orow, N); break;
-            case 2: expanded_tile<2>(wf.data(), nb, xr, K, orow, N); break;
-            default: expanded_tile<3>(wf.data(), nb, xr, K, orow, N);
-          }
         }
       }
     });
