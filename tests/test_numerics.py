@@ -164,8 +164,8 @@ def test_bf16_greedy_tokens_agree_up_to_a_reported_divergence(dense, tok, report
 
 
 def test_bf16_engine_holds_kv_in_bf16_and_gives_a_request_its_tokens_in_any_batch(model_dir, dense, tok):
-    """Half the bytes per cached token, so twice the blocks in the same memory; on oneDNN's bf16 road a request's
-    tokens do not depend on what else is in its steps (the product gives a row the same bits for any row count)."""
+    """Half the bytes per cached token, so twice the blocks in the same memory; a request's tokens do not depend on
+    what else is in its steps (every bf16 road gives a row the same bits for any row count)."""
     exact, fast = dense
     engines = [LLMEngine(m, tok, kv_cache_bytes=1 << 24) for m in (exact, fast)]
     assert engines[1].runner.storage.k.dtype == torch.bfloat16
@@ -173,8 +173,7 @@ def test_bf16_engine_holds_kv_in_bf16_and_gives_a_request_its_tokens_in_any_batc
     prompts = [prompt_ids(tok, name) for name in PROMPTS]
     alone = [engine_greedy(fast, tok, [p])[0] for p in prompts[:2]]
     together = engine_greedy(fast, tok, prompts)
-    if mm.bf16_road() != "torch":  # oneDNN's promise; F.linear (AVX2 CPUs' bf16 road) makes none
-        assert together[:2] == alone
+    assert together[:2] == alone
 
 
 def engine_greedy(model: Llama, tok, prompts: list[list[int]]) -> list[list[int]]:
@@ -202,8 +201,8 @@ def bf16_product_error() -> tuple[str, bool, float]:
 
 def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
     """oneDNN on AVX512_BF16, oneDNN widening to fp32 (a CPU without the instructions, ONEDNN_MAX_CPU_ISA), and
-    F.linear (no bf16 oneDNN, AVX2 CPUs): each is x and w in bf16 summed in fp32, its output rounded to bf16, so
-    each is within one bf16 step (2^-8 relative) of that sum computed in fp64."""
+    fp32's product on widened numbers (no bf16 oneDNN, AVX2 CPUs): each is x and w in bf16 summed in fp32, its
+    output rounded to bf16, so each is within one bf16 step (2^-8 relative) of that sum computed in fp64."""
     import os
     import subprocess
     import sys
@@ -217,13 +216,34 @@ def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
                                              check=True).stdout.split()
         assert float(worst) <= 2**-8, (isa, road, onednn)
     road, onednn, worst = bf16_product_error()  # and this process's own road
-    assert (onednn or road == "torch") and worst <= 2**-8, road
-    monkeypatch.setattr(mm, "packed", lambda w: None)  # in this process too: no packed copy -> F.linear's road
-    g = torch.Generator().manual_seed(1)
+    assert (onednn or road == "widen") and worst <= 2**-8, road
+    monkeypatch.setattr(mm, "packed", lambda w: None)  # in this process too: no packed copy -> F.linear's road,
+    g = torch.Generator().manual_seed(1)  # or where oneDNN takes no bf16, fp32's on the widened numbers
     w = torch.randn(32, 64, generator=g).bfloat16()
     x = torch.randn(3, 64, generator=g)
+    F = torch.nn.functional
     with torch.inference_mode():
-        assert torch.equal(mm.linear(x, w), torch.nn.functional.linear(x.bfloat16(), w))
+        ref = F.linear(x.bfloat16().float(), w.float()).bfloat16() if road == "widen" else F.linear(x.bfloat16(), w)
+        assert torch.equal(mm.linear(x, w), ref)
+
+
+def test_the_widened_bf16_road_gives_a_row_its_bits_in_any_batch(monkeypatch):
+    """The road of a CPU whose oneDNN takes no bf16, taken here on any CPU: a row's bf16 output is the same for
+    every row count the engine runs (a multiple of `ROW_MULTIPLE`), as oneDNN's bf16 product promises; and it
+    is the widened product, rounded."""
+    monkeypatch.setattr(mm, "packed", lambda w: None)
+    monkeypatch.setattr(mm, "bf16_road", lambda: "widen")
+    g = torch.Generator().manual_seed(2)
+    w = mm.linear_weight(96, 64)
+    with torch.no_grad():
+        w.data = torch.randn(96, 64, generator=g).t().contiguous().t().bfloat16()
+    x = torch.randn(32, 64, generator=g)
+    with torch.inference_mode():
+        full = mm.linear(x, w)
+        assert full.dtype == torch.bfloat16
+        assert torch.equal(full, mm.linear(x.bfloat16().float(), w.float()).bfloat16())
+        for n in range(mm.ROW_MULTIPLE, 32, mm.ROW_MULTIPLE):
+            assert torch.equal(mm.linear(x[:n], w), full[:n]), n
 
 
 def test_llm_takes_bf16_by_keyword(model_dir):

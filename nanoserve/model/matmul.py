@@ -13,8 +13,10 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
 - bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32, oneDNN's bf16 product for any row
-  count where it has a packed copy, F.linear otherwise (`bf16_road`); the output stays bf16, widened by
-  whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
+  count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs), x and w widened to
+  fp32 and multiplied on fp32's roads above (`bf16_road`): torch's own bf16 product reads an [in, out]
+  matrix there a hundred times slower. The output stays bf16, widened by whatever reads it in fp32 (RoPE,
+  the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
@@ -78,13 +80,15 @@ def _cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split())
 
 
+@functools.lru_cache(maxsize=1)
 def bf16_road() -> str:
     """How a bf16 product runs on this CPU: oneDNN on bf16 dot-product instructions ("amx-bf16", "avx512-bf16"),
     oneDNN widening bf16 to fp32 for fp32 FMAs ("avx512"), or, where torch's oneDNN takes no bf16 (AVX2 CPUs),
-    torch's own F.linear ("torch"). Each sums in fp32 and rounds the output to bf16: the same numbers to a
-    last bf16 digit, at different speeds."""
+    x and w widened to fp32 by `linear` for fp32's product ("widen"). Each multiplies bf16 numbers (their
+    products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to a last bf16
+    digit, at different speeds."""
     if not (ONEDNN and _bf16_onednn()):
-        return "torch"
+        return "widen"
     flags = _cpu_flags()
     return "amx-bf16" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx512"
 
@@ -261,5 +265,11 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
             return onednn_linear(x, w)
     if w.dtype == torch.bfloat16:  # bf16 matrices: x in bf16 (rounded here if fp32), fp32 sums, bf16 out
         xb = x.to(w.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
-        return onednn_linear(xb, w) if packed(w) is not None and not torch.is_grad_enabled() else F.linear(xb, w)
+        if torch.is_grad_enabled() or x.device.type != "cpu":
+            return F.linear(xb, w)
+        if packed(w) is not None:
+            return onednn_linear(xb, w)
+        if bf16_road() == "widen":  # fp32's roads on the bf16 numbers: each row's bits again fixed
+            return linear(xb.float(), w.float()).to(w.dtype)
+        return F.linear(xb, w)
     return F.linear(x, w)
