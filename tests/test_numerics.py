@@ -227,10 +227,14 @@ def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
         assert torch.equal(mm.linear(x, w), ref)
 
 
-def test_the_widened_bf16_road_gives_a_row_its_bits_in_any_batch(monkeypatch):
-    """The road of a CPU whose oneDNN takes no bf16, taken here on any CPU: a row's bf16 output is the same for
-    every row count the engine runs (a multiple of `ROW_MULTIPLE`), as oneDNN's bf16 product promises; and it
-    is the widened product, rounded."""
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_widened_bf16_road_gives_a_row_its_bits_in_any_batch(monkeypatch, compiled):
+    """The road of a CPU whose oneDNN takes no bf16, taken here on any CPU, in the compiled kernel and on torch's
+    ops: a row's bf16 output is the same for every row count the engine runs (the kernel: any count; fp32's
+    product: a multiple of `ROW_MULTIPLE`), as oneDNN's bf16 product promises, and within one bf16 step of the
+    fp64 sum of the same bf16 numbers."""
+    if compiled and not kernels.available():
+        pytest.skip(f"no compiled kernels here: {kernels.unavailable_reason()}")
     monkeypatch.setattr(mm, "packed", lambda w: None)
     monkeypatch.setattr(mm, "bf16_road", lambda: "widen")
     g = torch.Generator().manual_seed(2)
@@ -239,11 +243,14 @@ def test_the_widened_bf16_road_gives_a_row_its_bits_in_any_batch(monkeypatch):
         w.data = torch.randn(96, 64, generator=g).t().contiguous().t().bfloat16()
     x = torch.randn(32, 64, generator=g)
     with torch.inference_mode():
-        full = mm.linear(x, w)
+        full = mm.linear(x, w, compiled)
+        ref = x.bfloat16().double() @ w.double().t()
         assert full.dtype == torch.bfloat16
-        assert torch.equal(full, mm.linear(x.bfloat16().float(), w.float()).bfloat16())
-        for n in range(mm.ROW_MULTIPLE, 32, mm.ROW_MULTIPLE):
-            assert torch.equal(mm.linear(x[:n], w), full[:n]), n
+        assert float(((full.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max()) <= 2**-8
+        if not compiled:  # fp32's product on the widened numbers, rounded
+            assert torch.equal(full, mm.linear(x.bfloat16().float(), w.float(), False).bfloat16())
+        for n in range(1, 32) if compiled else range(mm.ROW_MULTIPLE, 32, mm.ROW_MULTIPLE):
+            assert torch.equal(mm.linear(x[:n], w, compiled), full[:n]), n
 
 
 def test_llm_takes_bf16_by_keyword(model_dir):

@@ -16,8 +16,9 @@ Each computes a row from that row's numbers only, so a row's result is the same 
 is in the step. Whether they run is the caller's explicit choice: `model.ops` and the forward take
 `compiled=True/False`, the model runner holds it for its steps (`use_kernels` resolves a request for
 them against what this machine has); the two roads agree to fp32 rounding. The same extension holds the
-product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`) and `BlockModel` (`csrc/step.cpp`,
-`model.compiled`), which steps a model on blocks through all of these in one call.
+product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
+`model.compiled`), which steps a model on blocks through all of these in one call, and the product of a
+bf16 matrix where torch has no fast one (`bf16_linear`, `csrc/matmul_bf16.cpp`).
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -44,8 +45,8 @@ from ..config import nanoserve_home
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "quant.cpp", CSRC / "int8.cpp", CSRC / "step.cpp",
-           CSRC / "module.cpp"]  # one extension, and its header:
+SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "matmul_bf16.cpp", CSRC / "quant.cpp", CSRC / "int8.cpp",
+           CSRC / "step.cpp", CSRC / "module.cpp"]  # one extension, and its header:
 HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
 
@@ -233,6 +234,15 @@ def prompt_attention_bf16(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tens
     if has_torch_function((q, k, v)):
         return handle_torch_function(prompt_attention_bf16, (q, k, v), q, k, v, scale)
     return _ext().prompt_attention_bf16(q, k, v, scale)
+
+
+def bf16_linear(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w.T for a bf16 matrix w (N, K) stored [in, out], x (M, K): x rounded to bf16, each row's sums in fp32
+    in input order, the output rounded to bf16 (csrc/matmul_bf16.cpp). The road of a CPU whose torch has no
+    bf16 product worth the name; a row's bits do not depend on the other rows."""
+    if has_torch_function((x, w)):
+        return handle_torch_function(bf16_linear, (x, w), x, w)
+    return _ext().bf16_linear(x, w)
 
 
 def _ext() -> ModuleType:

@@ -13,10 +13,11 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
 - bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32, oneDNN's bf16 product for any row
-  count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs), x and w widened to
-  fp32 and multiplied on fp32's roads above (`bf16_road`): torch's own bf16 product reads an [in, out]
-  matrix there a hundred times slower. The output stays bf16, widened by whatever reads it in fp32 (RoPE,
-  the residual add), fed as is to the next product.
+  count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
+  compiled kernel `kernels.bf16_linear`, which streams the bf16 matrix and widens it in registers, or
+  without kernels x and w widened to fp32 and multiplied on fp32's roads above: torch's own bf16 product
+  reads an [in, out] matrix there a hundred times slower. The output stays bf16, widened by whatever
+  reads it in fp32 (RoPE, the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
 
+from .. import kernels
 from ..kernels import int8, quant
 
 ACTIVATIONS = ("fp32", "int8")  # what a BlockWeight multiplies: x as it is, or x quantized to int8 blocks
@@ -84,9 +86,9 @@ def _cpu_flags() -> set[str]:
 def bf16_road() -> str:
     """How a bf16 product runs on this CPU: oneDNN on bf16 dot-product instructions ("amx-bf16", "avx512-bf16"),
     oneDNN widening bf16 to fp32 for fp32 FMAs ("avx512"), or, where torch's oneDNN takes no bf16 (AVX2 CPUs),
-    x and w widened to fp32 by `linear` for fp32's product ("widen"). Each multiplies bf16 numbers (their
-    products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to a last bf16
-    digit, at different speeds."""
+    x and w widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies
+    bf16 numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers
+    to a last bf16 digit, at different speeds."""
     if not (ONEDNN and _bf16_onednn()):
         return "widen"
     flags = _cpu_flags()
@@ -269,7 +271,9 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
             return F.linear(xb, w)
         if packed(w) is not None:
             return onednn_linear(xb, w)
-        if bf16_road() == "widen":  # fp32's roads on the bf16 numbers: each row's bits again fixed
+        if bf16_road() == "widen":  # each row's bits fixed on both: the kernel's sums, or fp32's roads'
+            if kernels.resolve(compiled) and w.stride() == (1, n_out):
+                return kernels.bf16_linear(xb.reshape(-1, n_in), w).view(*x.shape[:-1], n_out)
             return linear(xb.float(), w.float()).to(w.dtype)
         return F.linear(xb, w)
     return F.linear(x, w)

@@ -139,6 +139,33 @@ def test_bf16_rows_are_narrowed_from_any_address(compiled):
         assert torch.equal(kernels.silu_mul(gate_up), kernels.silu_mul(gate_up.float()).bfloat16()), C
 
 
+def in_order_bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """bf16_linear's definition in torch: x rounded to bf16, each output the running fp32 sum, input by input, of
+    exact products, rounded to bf16 once."""
+    xb, wf = x.bfloat16().float(), w.float()
+    out = torch.zeros(x.shape[0], w.shape[0])
+    for i in range(x.shape[1]):
+        out += xb[:, i:i + 1] * wf[:, i]  # a product of two bf16 numbers: exact in fp32
+    return out.bfloat16()
+
+
+@pytest.mark.parametrize("N", [16, 64, 96, 101, 3])
+def test_bf16_linear_is_the_in_order_fp32_sum_rounded_once_for_any_rows(compiled, N):
+    """Every row count 1..13 (whole register tiles of 6 rows and each remainder), whole and partial column
+    panels and columns past the last tile: the definition's bits, and a row's bits alone are its bits among
+    others (batching cannot move a bf16 model's tokens)."""
+    g = torch.Generator().manual_seed(N)
+    w = (torch.randn(48, N, generator=g) * 0.1).bfloat16().t()  # (N, 48) stored [in, out], as load() keeps it
+    x = torch.randn(13, 48, generator=g) * 3
+    full = kernels.bf16_linear(x, w)
+    assert full.dtype == torch.bfloat16 and torch.equal(full, in_order_bf16_product(x, w))
+    for m in range(1, 13):
+        assert torch.equal(kernels.bf16_linear(x[:m], w), full[:m]), m
+    assert torch.equal(kernels.bf16_linear(x[5:6], w), full[5:6])
+    with pytest.raises(RuntimeError, match="w bf16, stored \\[in, out\\]"):
+        kernels.bf16_linear(x, w.contiguous())
+
+
 def test_the_kernels_refuse_the_wrong_dtype_or_layout(compiled):
     with pytest.raises(RuntimeError, match="x: expected a float32 CPU tensor"):
         kernels.add_rms_norm(torch.ones(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)

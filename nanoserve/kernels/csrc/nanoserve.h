@@ -1,5 +1,6 @@
 // The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
-// attention), attention_bf16.cpp (a prompt's attention with bf16 products), quant.cpp (the product on GGUF blocks),
+// attention), attention_bf16.cpp (a prompt's attention with bf16 products), matmul_bf16.cpp (a bf16 matrix's
+// product where torch has none fast), quant.cpp (the product on GGUF blocks),
 // step.cpp (a model on blocks stepped by one call) and module.cpp (the Python bindings).
 #pragma once
 #include <ATen/Parallel.h>
@@ -47,6 +48,8 @@ std::vector<std::string> int8_roads();
 // A whole prompt's causal attention with bf16 products (attention_bf16.cpp), and whether this CPU can run it.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 bool prompt_attention_bf16_here();
+// x @ w.T for a bf16 matrix stored [in, out] (matmul_bf16.cpp).
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
