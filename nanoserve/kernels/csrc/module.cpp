@@ -1,4 +1,6 @@
 // The Python bindings of the kernels (nanoserve.h lists them).
+#include <torch/extension.h>
+
 #include "nanoserve.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -4,7 +4,7 @@
 // step.cpp (a model on blocks stepped by one call) and module.cpp (the Python bindings).
 #pragma once
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/types.h>  // torch::Tensor and its factories; the bindings alone need torch/extension.h
 
 #include <algorithm>
 #include <atomic>
