@@ -170,15 +170,35 @@ def _shape(x: Tensor, params: Sequence[SamplingParams]) -> Tensor:
     probs = torch.softmax(x, dim=-1)
     top_p = [i for i, p in enumerate(params) if p.top_p < 1.0]
     if top_p:
-        rows = probs[top_p]
-        sorted_p, order = rows.sort(dim=-1, descending=True)
-        mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
         limit = torch.tensor([params[i].top_p for i in top_p], dtype=torch.float64)[:, None]  # 5e-324 is no 0
-        probs[top_p] = rows.scatter(1, order, sorted_p.masked_fill(mass_before.double() >= limit, 0.0))
+        probs[top_p] = nucleus(probs[top_p], limit)
     min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype)[:, None]
     if bool((min_p > 0).any()):
         probs = probs.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), 0.0)
     return probs
+
+
+NUCLEUS_HEADS = (64, 1024)
+"""How much of a row `nucleus` sorts before it sorts the whole row (a nucleus is mostly a few dozen tokens)."""
+
+
+def nucleus(probs: Tensor, limit: Tensor) -> Tensor:
+    """Top-p: probs (r, V) with each token zeroed where the tokens ahead of it in descending order hold `limit`
+    (r, 1) of the mass. Sorting all V tokens is the sampler's slowest part, so the largest few come first: once
+    the last of them is cut, every later token is (its mass-before is no smaller), and a row sorted that far
+    has its answer, bit for bit the full sort's. Only the rows it does not settle are sorted further."""
+    out, todo, V = torch.zeros_like(probs), torch.arange(len(probs)), probs.shape[1]
+    for m in (*(h for h in NUCLEUS_HEADS if h < V), V):
+        rows = probs if len(todo) == len(probs) else probs[todo]
+        head, order = rows.topk(m, dim=-1) if m < V else rows.sort(dim=-1, descending=True)
+        cut = (head.cumsum(-1) - head).double() >= limit[todo]  # mass of the tokens ahead reaches the limit
+        done = cut[:, -1] | (m == V)
+        flat = (todo[done, None] * V + order[done]).view(-1)  # the kept head's places in `out`
+        out.view(-1)[flat] = head[done].masked_fill(cut[done], 0.0).view(-1)
+        todo = todo[~done]
+        if not len(todo):
+            break
+    return out
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams, seen: Sequence[int] = (),
@@ -239,7 +259,9 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
         for i, t in zip(plain, argmax_rows(logits[plain], compiled).tolist()):
             out[i] = t
     rest = [i for i in range(R) if not free(i)]
-    x = logits[rest].float()  # (r, V), a copy: masks and penalties write into it
+    x = logits.float() if len(rest) == R else logits[rest].float()  # (r, V); masks and penalties write in a copy
+    if x is logits and (masks or any(rows[i].params.penalized for i in rest)):
+        x = x.clone()
     for j, i in enumerate(rest):
         if i in masks:
             apply_bitmask_(x[j:j + 1], masks[i][None])
@@ -252,8 +274,8 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
             out[rest[j]] = t if ok[j] else INVALID
     drawn = [j for j, i in enumerate(rest) if not rows[i].params.greedy]
     if drawn:
-        probs = _shape(x[drawn], [rows[rest[j]].params for j in drawn])  # (d, V)
-        cdf = probs.double().cumsum(-1)  # (d, V): float64, so the last tokens' mass is not lost to rounding
+        probs = _shape(x if len(drawn) == len(x) else x[drawn], [rows[rest[j]].params for j in drawn])  # (d, V)
+        cdf = probs.cumsum(-1, dtype=torch.float64)  # (d, V): float64, so the last tokens' mass is not lost
         total = cdf[:, -1]
         good = torch.isfinite(total) & (total > 0)
         u = torch.tensor([rows[rest[j]].uniform() for j in drawn], dtype=torch.float64)

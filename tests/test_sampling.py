@@ -20,6 +20,7 @@ from nanoserve.sampling import (
     apply_repetition_penalty,
     argmax_rows,
     filtered_probs,
+    nucleus,
     sample,
 )
 from nanoserve.stopping import StopChecker
@@ -109,6 +110,22 @@ def test_top_p_keeps_the_smallest_set_reaching_p(logits, p):
     assert mass - smallest < p + 1e-6  # ... and without its least likely member it would not
     # renormalized over the kept set, proportional to the original probabilities
     torch.testing.assert_close(probs[list(keep)].double(), full[list(keep)] / mass, atol=1e-6, rtol=1e-5)
+
+
+def test_nucleus_sorts_a_head_first_and_gives_the_full_sorts_bits():
+    """Rows whose nucleus is a few tokens, hundreds, and thousands (settled by the first head, the second, and
+    the full sort) at the model's vocabulary size: the same bits as sorting every row whole."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=g) * torch.tensor([[8.0], [8.0], [3.0], [3.0], [0.5], [0.5]])
+    probs = torch.softmax(logits, -1)
+    limit = torch.tensor([[0.5], [0.95], [0.5], [0.9], [0.3], [0.9]], dtype=torch.float64)
+    order = probs.sort(dim=-1, descending=True)
+    mass_before = order.values.cumsum(-1) - order.values
+    want = probs.scatter(1, order.indices, order.values.masked_fill(mass_before.double() >= limit, 0.0))
+    kept = (want > 0).sum(-1).tolist()
+    assert min(kept) < 64 and any(64 < k < 1024 for k in kept) and max(kept) > 1024, kept  # every tier is used
+    assert torch.equal(nucleus(probs, limit), want)
+    assert torch.equal(nucleus(probs[2:4], limit[2:4]), want[2:4])
 
 
 def test_top_p_worked_example():
