@@ -22,6 +22,7 @@ from torch import nn
 from ..config import CheckpointError, ModelConfig
 from ..kernels.quant import dequantize
 from .fetch import gguf_config, unpermute_rope_rows
+from .gguf_file import GGUFFile
 from .llama import Llama
 from .matmul import ACTIVATIONS, BlockWeight
 
@@ -102,14 +103,12 @@ def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str
     holds Q4_1/Q8_0 blocks (other types are expanded to fp32), its norms fp32; `activations`: what the
     blocks multiply (`set_activations`); `pack=False`: no packed copies for int8 activations (their bytes
     saved, their speed given up: `BlockWeight.int8_packed`)."""
-    from gguf import GGUFReader
-
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: GGUF file not found")
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # the gguf package raises plain ValueError/struct errors
+        reader = GGUFFile(path)
+    except Exception as e:  # ValueError, struct's and numpy's errors on a file cut short
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from None
     cfg = cfg or gguf_config(reader)
     tensors = {t.name: t for t in reader.tensors}
