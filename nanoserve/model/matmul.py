@@ -14,10 +14,10 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
   each row the same bits however many rows the call has (batching relies on that).
 - bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32, oneDNN's bf16 product for any row
   count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
-  compiled kernel `kernels.bf16_linear`, which streams the bf16 matrix and widens it in registers, or
-  without kernels x and w widened to fp32 and multiplied on fp32's roads above (torch's own bf16 product
-  reads an [in, out] matrix far slower there). The output stays bf16, widened by whatever reads it in
-  fp32 (RoPE, the residual add), fed as is to the next product.
+  compiled kernel `kernels.bf16_linear`, which streams the bf16 matrix and widens it (in registers, or once per
+  column panel for many rows), or without kernels x and w widened to fp32 and multiplied on fp32's roads above
+  (torch's own bf16 product reads an [in, out] matrix far slower there). The output stays bf16, widened by
+  whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them

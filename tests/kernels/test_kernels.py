@@ -151,15 +151,16 @@ def in_order_bf16_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("N", [16, 64, 96, 101, 3])
 def test_bf16_linear_is_the_in_order_fp32_sum_rounded_once_for_any_rows(compiled, N):
-    """Every row count 1..13 (whole register tiles of 6 rows and each remainder), whole and partial column
-    panels and columns past the last tile: the definition's bits, and a row's bits alone are its bits among
-    others (batching cannot move a bf16 model's tokens)."""
+    """Row counts 1..13 (whole register tiles of 6 rows and each remainder) and 47..53 (either side of 48, where
+    the panel is widened in the copy instead of in registers), whole and partial column panels and columns past
+    the last tile: the definition's bits, and a row's bits alone are its bits among others (batching cannot move
+    a bf16 model's tokens)."""
     g = torch.Generator().manual_seed(N)
     w = (torch.randn(48, N, generator=g) * 0.1).bfloat16().t()  # (N, 48) stored [in, out], as load() keeps it
-    x = torch.randn(13, 48, generator=g) * 3
+    x = torch.randn(53, 48, generator=g) * 3
     full = kernels.bf16_linear(x, w)
     assert full.dtype == torch.bfloat16 and torch.equal(full, in_order_bf16_product(x, w))
-    for m in range(1, 13):
+    for m in [*range(1, 14), *range(47, 53)]:
         assert torch.equal(kernels.bf16_linear(x[:m], w), full[:m]), m
     assert torch.equal(kernels.bf16_linear(x[5:6], w), full[5:6])
     with pytest.raises(RuntimeError, match="w bf16, stored \\[in, out\\]"):

@@ -9,7 +9,9 @@
 //
 // A task takes a panel of PANEL columns: it copies the panel's K pieces of 128 bytes, which lie N * 2 bytes apart
 // (often more than a page, where the hardware's prefetchers stop, and on so few cache sets that they evict each
-// other), into a scratch of its own, tile by tile, and every group of rows then reads that from the cache.
+// other), into a scratch of its own, tile by tile, and every group of rows then reads that from the cache. With
+// few rows the copy stays bf16 and each group widens it in registers; with WIDE_ROWS or more, the copy is widened
+// to fp32 once, so that the many groups' inner loops are loads and FMAs only. Widening is exact: the same bits.
 #include "nanoserve.h"
 
 #include <cstring>
@@ -24,14 +26,23 @@ constexpr int64_t TILE = 16;   // columns a register tile holds: two 8-float vec
 constexpr int64_t PANEL = 64;  // columns a task takes: 128 bytes of each weight row
 constexpr int ROWS = 6;        // rows of x a register tile holds: 12 sums, 2 weights, 1 broadcast in 16 registers
 constexpr int64_t AHEAD = 16;  // weight rows ahead of the one being copied that memory is asked for
+constexpr int64_t WIDE_ROWS = 48;  // rows from which the panel is widened once, in the copy
 
-// The panel's columns j0..j0 + width of w's K rows, tile by tile: tile t's K rows of TILE numbers consecutive.
-void copy_panel(const uint16_t* w, int64_t K, int64_t N, int64_t j0, int64_t width, uint16_t* panel) {
+// The panel's columns j0..j0 + width of w's K rows, tile by tile: tile t's K rows of TILE numbers consecutive;
+// as bf16 (P uint16_t) or widened to fp32 (P float).
+template <typename P>
+void copy_panel(const uint16_t* w, int64_t K, int64_t N, int64_t j0, int64_t width, P* panel) {
   const uint16_t* wi = w + j0;
   for (int64_t i = 0; i < K; ++i, wi += N) {
     __builtin_prefetch(wi + AHEAD * N);
     __builtin_prefetch(wi + AHEAD * N + PANEL - 1);
-    for (int64_t t = 0; t * TILE < width; ++t) std::memcpy(panel + (t * K + i) * TILE, wi + t * TILE, TILE * 2);
+    for (int64_t t = 0; t * TILE < width; ++t) {
+      if constexpr (sizeof(P) == 2) {
+        std::memcpy(panel + (t * K + i) * TILE, wi + t * TILE, TILE * 2);
+      } else {
+        for (int64_t l = 0; l < TILE; ++l) panel[(t * K + i) * TILE + l] = widen(wi[t * TILE + l]);
+      }
+    }
   }
 }
 
@@ -40,6 +51,7 @@ inline __m256 widen8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
 
 inline void store(__m256 lo, __m256 hi, uint16_t* out) {
   alignas(32) float sums[TILE];
@@ -60,8 +72,8 @@ inline void store(__m256 lo, __m256 hi, uint16_t* out) {
 
 // R rows of x (K each) times one tile (K rows of TILE weights, consecutive): R x TILE outputs in bf16, rows N apart.
 // s * a is exact, so each fused multiply-add rounds once, as a multiply then an add would.
-template <int R>
-void tile(const float* x, int64_t K, const uint16_t* wt, int64_t N, uint16_t* out) {
+template <int R, typename P>
+void tile(const float* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
   __m256 lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5;
   lo0 = hi0 = lo1 = hi1 = lo2 = hi2 = lo3 = hi3 = lo4 = hi4 = lo5 = hi5 = _mm256_setzero_ps();
   for (int64_t i = 0; i < K; ++i, wt += TILE) {
@@ -72,8 +84,8 @@ void tile(const float* x, int64_t K, const uint16_t* wt, int64_t N, uint16_t* ou
 }
 #else
 // The same sums, a row and a column at a time (the compiler vectorizes what it can).
-template <int R>
-void tile(const float* x, int64_t K, const uint16_t* wt, int64_t N, uint16_t* out) {
+template <int R, typename P>
+void tile(const float* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
   float sums[R][TILE] = {};
   for (int64_t i = 0; i < K; ++i)
     for (int r = 0; r < R; ++r)
@@ -84,9 +96,26 @@ void tile(const float* x, int64_t K, const uint16_t* wt, int64_t N, uint16_t* ou
 #endif
 
 // R rows times every tile of a copied panel.
-template <int R>
-void tiles(const float* x, int64_t K, const uint16_t* panel, int64_t width, int64_t N, uint16_t* out) {
+template <int R, typename P>
+void tiles(const float* x, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* out) {
   for (int64_t t = 0; t * TILE < width; ++t) tile<R>(x, K, panel + t * K * TILE, N, out + t * TILE);
+}
+
+// Every row of x times a task's panel, columns j0 .. j0 + width: groups of ROWS, then the rest.
+template <typename P>
+void panel_rows(const float* xp, int64_t M, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* op) {
+  int64_t r = 0;
+  for (; r + ROWS <= M; r += ROWS) tiles<ROWS>(xp + r * K, K, panel, width, N, op + r * N);
+  const float* rest = xp + r * K;
+  uint16_t* o = op + r * N;
+  switch (M - r) {
+    case 5: tiles<5>(rest, K, panel, width, N, o); break;
+    case 4: tiles<4>(rest, K, panel, width, N, o); break;
+    case 3: tiles<3>(rest, K, panel, width, N, o); break;
+    case 2: tiles<2>(rest, K, panel, width, N, o); break;
+    case 1: tiles<1>(rest, K, panel, width, N, o); break;
+    default: break;
+  }
 }
 
 // The same sums for columns past the last whole tile, one at a time.
@@ -100,7 +129,8 @@ void columns(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
 }
 
 struct Panel {
-  std::vector<uint16_t> weights;  // a task's copy of its panel
+  std::vector<uint16_t> weights;  // a task's copy of its panel, bf16
+  std::vector<float> wide;        // or widened
 };
 
 }  // namespace
@@ -118,20 +148,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   const int64_t whole = N / TILE * TILE, panels = (whole + PANEL - 1) / PANEL;
   for_each_task<Panel>(panels, [&](int64_t p, Panel& scratch) {
     const int64_t j0 = p * PANEL, width = std::min(PANEL, whole - j0);
-    scratch.weights.resize(K * PANEL);
-    uint16_t* panel = scratch.weights.data();
-    copy_panel(wp, K, N, j0, width, panel);
-    int64_t r = 0;
-    for (; r + ROWS <= M; r += ROWS) tiles<ROWS>(xp + r * K, K, panel, width, N, op + r * N + j0);
-    const float* rest = xp + r * K;
-    uint16_t* o = op + r * N + j0;
-    switch (M - r) {
-      case 5: tiles<5>(rest, K, panel, width, N, o); break;
-      case 4: tiles<4>(rest, K, panel, width, N, o); break;
-      case 3: tiles<3>(rest, K, panel, width, N, o); break;
-      case 2: tiles<2>(rest, K, panel, width, N, o); break;
-      case 1: tiles<1>(rest, K, panel, width, N, o); break;
-      default: break;
+    if (M >= WIDE_ROWS) {
+      scratch.wide.resize(K * PANEL);
+      copy_panel(wp, K, N, j0, width, scratch.wide.data());
+      panel_rows(xp, M, K, scratch.wide.data(), width, N, op + j0);
+    } else {
+      scratch.weights.resize(K * PANEL);
+      copy_panel(wp, K, N, j0, width, scratch.weights.data());
+      panel_rows(xp, M, K, scratch.weights.data(), width, N, op + j0);
     }
   });
   if (whole < N) columns(xp, M, K, wp, N, whole, op);
