@@ -4,13 +4,12 @@
     fetch          fetch + convert the model (idempotent)
     kernels        build the compiled kernels now and say where they are
     lengths        draw Day 15's request-length CSV
-    bench single   prefill and decode tok/s: nanoserve's roads vs transformers, with the roofline
     bench layout   weight-streaming GB/s of candidate layouts at batch 1
     bench paged    paged vs contiguous decode (Day 20)
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
     bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
-    bench decode   decode tok/s on the GGUF's blocks vs fp32, transformers and llama.cpp (Day 25)
+    bench decode   one request on every road and batched decode: fp32, the GGUF's blocks, transformers, llama.cpp
     bench attention  one decode step's attention: the gather, torch ops, SDPA, the kernel, split-K (Days 23-24)
     bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
     bench spec     prompt-lookup speculative decoding vs plain decoding, copy-heavy and chat (Day 40)
@@ -46,11 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         clients,
         decode,
         engine,
+        layout,
         numerics,
         outputs,
         paged,
         shared,
-        single,
     )
     from .bench import spec as spec_bench
     from .model import fetch
@@ -88,13 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     memory.add_arguments(sub.add_parser("lengths", help="draw Day 15's request-length CSV"))
     b = sub.add_parser("bench", help="benchmarks that write a CSV under data/")
     bsub = b.add_subparsers(dest="what", required=True, parser_class=_Parser, metavar="<benchmark>")
-    single.add_arguments(bsub.add_parser("single", help="prefill/decode tok/s: nanoserve vs transformers"))
-    single.add_layout_arguments(bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
+    layout.add_arguments(bsub.add_parser("layout", help="weight-streaming GB/s of candidate layouts at batch 1"))
     paged.add_arguments(bsub.add_parser("paged", help="paged vs contiguous decode (Day 20)"))
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
     chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
-    decode.add_arguments(bsub.add_parser("decode", help="decode tok/s on the GGUF's blocks vs fp32 and llama.cpp"))
+    decode.add_arguments(bsub.add_parser("decode", help="one request on every road, batched decode, vs peers"))
     attention.add_arguments(bsub.add_parser("attention", help="one decode step's attention, every road (Days 23-24)"))
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))
     spec_bench.add_arguments(bsub.add_parser("spec", help="prompt-lookup speculative decoding vs plain (Day 40)"))
@@ -127,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return server.run(args)
     import importlib
 
-    module = importlib.import_module(f".bench.{'single' if args.what == 'layout' else args.what}", __package__)
-    return module.run(args, argv)
+    return importlib.import_module(f".bench.{args.what}", __package__).run(args, argv)
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -86,7 +86,7 @@ def test_lengths_command_draws_the_committed_distribution(tmp_path):
     assert "5 requests" in r.stdout
 
 
-@pytest.mark.parametrize("args", [[], ["generate"], ["fetch"], ["kernels"], ["lengths"], ["bench"], ["bench", "single"],
+@pytest.mark.parametrize("args", [[], ["generate"], ["fetch"], ["kernels"], ["lengths"], ["bench"], ["bench", "decode"],
                                   ["bench", "layout"], ["bench", "paged"], ["bench", "batch"]])
 def test_every_command_has_help(args, capsys):
     with pytest.raises(SystemExit) as e:

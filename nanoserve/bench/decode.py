@@ -1,6 +1,10 @@
-"""`python -m nanoserve bench decode`: decode tok/s on the weights as shipped, beside fp32 and llama.cpp (Day 25):
-batch 1 at each of `--contexts` and each of `--batch-sizes` at the first, the median decode step after a prompt of
-prose, median over rounds; beside it tok/s, weight GB/s, and same-run ratios."""
+"""`python -m nanoserve bench decode`: one request on every road, and batched decode (Days 08-25): batch 1 at
+each of `--contexts` and each of `--batch-sizes` at the first, after a prompt of prose, the roads interleaved round
+by round. The roads: `nanoserve` (the compiled step, any batch), `nanoserve-py` (the blocks on the Python forward),
+`nanoserve-engine` (`generate`'s: one request in an LLMEngine), `nanoserve-contiguous` and `nanoserve-nocache` (the
+course's stages, Days 13 and 08), `transformers` and `llama.cpp`. Per (road, weights, batch, context): the median
+decode step, tok/s, prefill tok/s, weight GB/s against the read bandwidth, and ratios to nanoserve's fp32 step, to
+transformers and to llama.cpp, each the median over rounds of that round's ratio."""
 
 from __future__ import annotations
 
@@ -17,24 +21,26 @@ from pathlib import Path
 import torch
 
 from ..config import nanoserve_home
-from ..generate import one_request_engine
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
 from ..model.fetch import default_model_dir, download_gguf
+from ..stages import CachedSession, NoCacheSession
 from . import csvio
 from .command import common_arguments, csv_header, report, start
-from .harness import decode_records, greedy, load_hf_model, time_hf_generate, time_model_batch
+from .harness import load_hf_model, time_hf_generate, time_model_batch, timed_greedy
 from .harness import prose as prompt_of  # n tokens of prose: every row's prompt
 from .roofline import measure_bandwidth
 from .timing import rounds
 
 CSV_PATH = "data/bench-decode.csv"
+NAN = float("nan")
+Key = tuple[str, str, int, int]  # (road, weights, batch, context); weights "gguf+int8": the blocks on int8 activations
 
 
 @dataclass(frozen=True)
 class DecodeRow:
-    engine: str  # nanoserve, nanoserve-py (blocks on the Python forward), nanoserve-engine, transformers, llama.cpp
+    engine: str  # the road
     weights: str  # fp32, or gguf (the file's Q4_1/Q8_0 blocks)
     batch: int
     context: int
@@ -46,19 +52,29 @@ class DecodeRow:
     vs_nanoserve_fp32: float
     vs_llama_cpp: float  # nan where there is no llama.cpp row to divide by
     activations: str = "fp32"  # what the blocks multiply: fp32, or int8 (x rounded to int8 blocks)
+    prefill_tok_s: float = NAN  # the prompt's tokens (all rows') over the time to the first token
+    vs_transformers: float = NAN
 
 
-def make_rows(steps: dict[tuple[str, str, int, int], float], weight_bytes: dict[tuple[str, str], float],
+def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tuple[str, str], float],
               bandwidth: float) -> list[DecodeRow]:
-    """Rows from median step seconds keyed (engine, weights, batch, context) ("gguf+int8": on int8 activations)."""
-    tok_s = lambda key: key[2] / steps[key] if key in steps else float("nan")
+    """Rows from each key's (prefill s, decode step s) per round: medians, and each ratio the median over rounds
+    of that round's (pairing rounds, so a slow minute falls on both sides of it)."""
+    tok_s = {key: [key[2] / step for _, step in per_round] for key, per_round in runs.items()}
+
+    def vs(key: Key, other: Key) -> float:
+        return statistics.median(a / b for a, b in zip(tok_s[key], tok_s[other])) if other in tok_s else NAN
+
     rows = []
-    for (engine, weights, batch, context), s in steps.items():
-        wb, t = weight_bytes[(engine, weights)], batch / s
+    for key, per_round in runs.items():
+        engine, weights, batch, context = key
+        s, wb = statistics.median(step for _, step in per_round), weight_bytes[(engine, weights)]
         fmt, _, acts = weights.partition("+")
-        rows.append(DecodeRow(engine, fmt, batch, context, s * 1e3, t, wb / 1e6, wb / s / 1e9, wb / s / bandwidth,
-                              t / tok_s(("nanoserve", "fp32", batch, context)),
-                              t / tok_s(("llama.cpp", "gguf", batch, context)), acts or "fp32"))
+        prefill = statistics.median(batch * context / p for p, _ in per_round)
+        rows.append(DecodeRow(engine, fmt, batch, context, s * 1e3, batch / s, wb / 1e6, wb / s / 1e9,
+                              wb / s / bandwidth, vs(key, ("nanoserve", "fp32", batch, context)),
+                              vs(key, ("llama.cpp", "gguf", batch, context)), acts or "fp32", prefill,
+                              vs(key, ("transformers", "fp32", batch, context))))
     return rows
 
 
@@ -75,36 +91,47 @@ def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
 
 
 def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
-                   compiled_step: bool | None = None) -> float:
-    """Median decode step (s) of `batch` copies of the prompt (`compiled_step=False`: the Python forward)."""
+                   compiled_step: bool | None = None) -> tuple[float, float]:
+    """(prefill s, median decode step s) of `batch` copies of the prompt on the bare step (`compiled_step=False`:
+    the Python forward)."""
     timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled_step=compiled_step)
-    return timing.median_step_s
+    return timing.prefill_s, timing.median_step_s
 
 
-def time_generate(model: Llama, prompt: Sequence[int], steps: int) -> float:
-    """Median decode step (s) of `generate`'s road: one request in an engine, scheduling and sampling included."""
-    params = greedy(steps + 1)
-    engine = one_request_engine(model, None, len(prompt), params)
-    return statistics.median(r.total_s for r in decode_records(engine, [list(prompt)], [params]))
+def time_road(model: Llama, prompt: Sequence[int], steps: int, road: str = "nanoserve-engine") -> tuple[float, float]:
+    """(TTFT s, TPOT s) of one greedy request of steps + 1 tokens as a user of that road sees them: `generate`'s,
+    or a course stage's loop."""
+    session = {"nanoserve-engine": lambda: None, "nanoserve-nocache": lambda: NoCacheSession(model),
+               "nanoserve-contiguous": lambda: CachedSession(model, len(prompt) + steps + 1)}[road]()
+    t = timed_greedy(model, list(prompt), steps + 1, session)[1]
+    return t.ttft, t.tpot
+
+
+def time_transformers(hf_model, prompt: Sequence[int], steps: int) -> tuple[float, float]:
+    """(prefill s, median decode step s) of transformers' `generate` on one prompt."""
+    timing, _ = time_hf_generate(hf_model, [prompt], steps)
+    return timing.prefill_s, timing.median_step_s
 
 
 def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
-                     ) -> tuple[Callable[[Sequence[int], int], float] | None, str]:
-    """(prompt, steps) -> llama.cpp's median batch-1 decode step (s) on the GGUF, each in a child process (a crash
-    costs a row, not the run), tried once on `probe`; and the CSV's note (None and why where it cannot run)."""
+                     ) -> tuple[Callable[[Sequence[int], int], tuple[float, float]] | None, str]:
+    """(prompt, steps) -> llama.cpp's (prefill s, median batch-1 decode step s) on the GGUF, each in a child
+    process (a crash costs a row, not the run), tried once on `probe`; and the CSV's note (None and why where it
+    cannot run)."""
     try:
         import llama_cpp
     except ImportError:
         return None, "llama-cpp-python not installed (pip install llama-cpp-python): llama.cpp rows skipped"
 
-    def run(prompt: Sequence[int], steps: int) -> float:
+    def run(prompt: Sequence[int], steps: int) -> tuple[float, float]:
         job = json.dumps({"path": str(gguf_path), "threads": threads, "prompt": list(prompt), "steps": steps})
         r = subprocess.run([sys.executable, "-c", "from nanoserve.bench.decode import _llama_cpp_child as f; f()"],
                            input=job, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"llama-cpp-python {llama_cpp.__version__} failed (exit {r.returncode}): "
                                f"{r.stderr.strip()[-300:]}")
-        return float(r.stdout.strip().splitlines()[-1])
+        prefill, step = r.stdout.strip().splitlines()[-1].split()
+        return float(prefill), float(step)
 
     try:
         run(probe, 2)  # one short run: does it work here at all?
@@ -114,7 +141,8 @@ def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
 
 
 def _llama_cpp_child() -> None:
-    """In the child: the prompt, then `steps` greedy steps of one token; prints the median step (s)."""
+    """In the child: the prompt, then `steps` greedy steps of one token; prints the prefill's and the median
+    step's seconds."""
     import llama_cpp
     import numpy as np
 
@@ -125,14 +153,16 @@ def _llama_cpp_child() -> None:
     greedy = lambda: int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
     for _ in range(2):  # the first pass is a warm-up
         llm.reset()
+        t = time.perf_counter()
         llm.eval(prompt)
         nxt, step_s = greedy(), []
+        prefill_s = time.perf_counter() - t
         for _ in range(job["steps"]):
             t = time.perf_counter()
             llm.eval([nxt])
             nxt = greedy()
             step_s.append(time.perf_counter() - t)
-    print(statistics.median(step_s))
+    print(prefill_s, statistics.median(step_s))
 
 
 def write_csv(path: str | Path, rows: Sequence[DecodeRow], meta: dict) -> Path:
@@ -149,6 +179,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched rows at the first context")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
+    ap.add_argument("--no-stages", action="store_true", help="skip the course's no-cache and contiguous loops")
+    ap.add_argument("--nocache-tokens", type=int, default=4, help="decode steps of the (slow) no-cache loop")
     ap.add_argument("--activations", nargs="+", choices=["fp32", "int8"], default=["fp32"],
                     help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
     common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
@@ -156,30 +188,32 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     fp32, tok = start(args)
-    on_blocks = {("gguf" if a == "fp32" else f"gguf+{a}"): load(weights="gguf", activations=a)[0]
-                 for a in args.activations}  # weights key -> the model on blocks
+    models = {"fp32": fp32} | {("gguf" if a == "fp32" else f"gguf+{a}"): load(weights="gguf", activations=a)[0]
+                               for a in args.activations}  # weights key -> the model
     threads, n = torch.get_num_threads(), args.steps
-    block_bytes = next(iter(on_blocks.values())).weight_bytes()  # the same blocks whatever they multiply
-    weight_bytes = {("nanoserve", "fp32"): fp32.weight_bytes(), ("llama.cpp", "gguf"): block_bytes}  # llama.cpp too
-    for key, m in on_blocks.items():
-        weight_bytes |= {(e, key): m.weight_bytes() for e in ("nanoserve", "nanoserve-py", "nanoserve-engine")}
+    weight_bytes = {(e, key): m.weight_bytes() for key, m in models.items()
+                    for e in ("nanoserve", "nanoserve-py", "nanoserve-engine", "nanoserve-contiguous",
+                              "nanoserve-nocache")}
+    weight_bytes[("llama.cpp", "gguf")] = weight_bytes[("nanoserve", "gguf")]  # the same blocks, the same file
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
-    jobs: dict[tuple[str, str, int, int], Callable[[], float]] = {}
+    jobs: dict[Key, Callable[[], tuple[float, float]]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
         p = prompts[ctx]
-        jobs[("nanoserve", "fp32", b, ctx)] = lambda p=p, b=b: time_nanoserve(fp32, p, b, n)
-        for key, m in on_blocks.items():
+        for key, m in models.items():
             jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
-            if b == 1:
+            if b == 1 and key != "fp32":
                 jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, False)
-                # the public road: one request in an LLMEngine (generate's), beside the bare batch-1 step above
-                jobs[("nanoserve-engine", key, 1, ctx)] = lambda p=p, m=m: time_generate(m, p, n)
+            if b == 1:  # the public road, beside the bare step above
+                jobs[("nanoserve-engine", key, 1, ctx)] = lambda p=p, m=m: time_road(m, p, n)
+        if b == 1 and not args.no_stages:
+            jobs[("nanoserve-contiguous", "fp32", 1, ctx)] = lambda p=p: time_road(fp32, p, n, "nanoserve-contiguous")
+            jobs[("nanoserve-nocache", "fp32", 1, ctx)] = lambda p=p: time_road(fp32, p, args.nocache_tokens,
+                                                                                "nanoserve-nocache")
     if not args.no_transformers:
         hf = load_hf_model(default_model_dir())
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
         for ctx in args.contexts:
-            jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_hf_generate(
-                hf, [p], n)[0].median_step_s
+            jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_transformers(hf, p, n)
     runner, llama_note = (None, "not asked for (--no-llama-cpp)") if args.no_llama_cpp else llama_cpp_runner(
         download_gguf(nanoserve_home() / "downloads"), threads, prompt_of(tok, 8))
     for ctx in args.contexts if runner else []:
@@ -187,10 +221,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     print(f"llama.cpp: {llama_note}", flush=True)
     with torch.inference_mode():
         bandwidth, _ = measure_bandwidth(2**28)
-        for m in [*on_blocks.values(), fp32]:  # warm up: builds, first allocations
+        for m in models.values():  # warm up: builds, first allocations
             time_nanoserve(m, prompt_of(tok, 16), 2, 2)
-    steps = {k: statistics.median(v) for k, v in rounds(jobs, args.rounds, log=print).items()}
     meta = csv_header(argv, steps=n, rounds=args.rounds, read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}",
                       block_product=quant.describe(), int8_road=int8.int8_road(), llama_cpp=llama_note)
-    write_csv(args.out, make_rows(steps, weight_bytes, bandwidth), meta)
+    write_csv(args.out, make_rows(rounds(jobs, args.rounds, log=print), weight_bytes, bandwidth), meta)
     return report(args.out, meta, [asdict(r) for r in read_csv(args.out)[1]])

@@ -15,14 +15,15 @@ import torch
 from ..config import EngineConfig, ModelConfig, SchedulerConfig
 from ..engine import LLMEngine
 from ..engine.request import Request
+from ..generate import stream_generate
 from ..model import Llama
 from ..sampling import SamplingParams
-from ..stages import StaticBatch
+from ..stages import Session, StaticBatch, stream_session
 from ..tokenizer import Tokenizer
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, time_static_batch
 from .command import engine_config
 from .roofline import forward_flops
-from .timing import DEFAULT_CLOCK, Clock
+from .timing import DEFAULT_CLOCK, Clock, RequestTiming, StreamTimer
 
 SWEEP_SIZES = (1, 2, 4, 8, 16, 32)
 BLOCKING_LENS = (4,) * 7 + (32,)  # Day 29's blocking run: seven rows of 4 tokens behind one of 32
@@ -85,6 +86,20 @@ def uniform_workload(tok: Tokenizer, n: int = 32, prompt_tokens: int = 160, max_
 def greedy(max_tokens: int) -> SamplingParams:
     """The requests every command sends: greedy, EOS ignored (the length is the request's)."""
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def timed_greedy(model: Llama, prompt_ids: list[int], new_tokens: int, session: Session | None = None,
+                 clock: Clock = DEFAULT_CLOCK) -> tuple[list[int], RequestTiming]:
+    """Greedy ids of exactly `new_tokens` and their timing, a StreamTimer.token() per token: with no session the
+    engine's road (`stream_generate`), with one a course stage's loop over it."""
+    timer, ids = StreamTimer(clock), []
+    timer.start()
+    for step in stream_generate(model, prompt_ids, greedy(new_tokens)) if session is None else \
+            stream_session(model, session, prompt_ids, greedy(new_tokens)):
+        for t in step.new_token_ids:
+            timer.token()
+            ids.append(t)
+    return ids, timer.finish()
 
 
 def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],

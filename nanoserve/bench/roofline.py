@@ -56,6 +56,19 @@ def forward_flops(cfg: ModelConfig, n_tokens: int, context: int = 0, last_only: 
     return float(sum(forward_flops_by_group(cfg, n_tokens, context, last_only).values()))
 
 
+def forward_sweep(model: Llama, lengths: list[int], repeats: int = 3) -> list[dict]:
+    """One forward of T prompt tokens per T: prefill's cost curve, its FLOP/s and weight GB/s (which roof)."""
+    rows, g = [], torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for T in lengths:
+            ids = torch.randint(0, model.cfg.vocab_size, (1, T), generator=g)
+            sec = statistics.median(time_callable(lambda ids=ids: model(ids, last_only=True), repeats))
+            flops = forward_flops(model.cfg, T)
+            rows.append(dict(tokens=T, seconds=sec, ms_per_token=sec / T * 1e3, gflop_s=flops / sec / 1e9,
+                             intensity=flops / model.weight_bytes(), weight_gb_s=model.weight_bytes() / sec / 1e9))
+    return rows
+
+
 @dataclass(frozen=True)
 class Roofline:
     """Measured peaks (medians of repeats), in FLOP/s and bytes/s, and how they were measured."""

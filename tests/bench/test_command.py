@@ -65,7 +65,7 @@ def test_engine_config_takes_a_scheduler_config_or_nothing():
     assert engine_config(config) is config
 
 
-@pytest.mark.parametrize("what", ["single", "layout", "paged", "batch", "engine", "chunked", "decode", "attention",
+@pytest.mark.parametrize("what", ["layout", "paged", "batch", "engine", "chunked", "decode", "attention",
                                   "arrivals", "spec", "outputs", "shared"])
 def test_every_command_takes_the_common_options(what):
     args = build_parser().parse_args(["bench", what, "--threads", "1", "--out", "x.csv"])

@@ -79,7 +79,7 @@ def test_every_committed_csv_reads_with_its_commands_reader():
     meta, runs, steps = spec.read_csv(DATA / "bench-spec.csv")
     assert all(r.concurrency == 1 for r in runs) and spec.step_costs(steps)[1] == 1.0  # older: one at a time
     assert all(s.same_as_plain for s in spec.summarize(runs))
-    for name in ("bench-single.csv", "bench-single-raw.csv", "bench-layout.csv"):
+    for name in ("bench-layout.csv", "bench-shared.csv", "bench-outputs.csv"):
         meta, rows = csvio.read_csv(DATA / name, parse=True)
         assert meta["command"].startswith("python -m nanoserve bench") and rows
 

@@ -1,23 +1,32 @@
-"""bench decode's arithmetic (rows, ratios, the winner per batch size), its CSV round trip, and the command
-line it registers; the measuring itself runs as `python -m nanoserve bench decode`, never in a test."""
+"""bench decode's arithmetic (rows, paired ratios, the winner per batch size), its CSV round trip, the command
+line it registers, and that every road times what it names (sane numbers on a tiny model: nothing is judged on its
+speed); the measuring itself runs as `python -m nanoserve bench decode`, never in a test."""
 
 import math
 
+import pytest
+import torch
+import transformers
+
 from nanoserve.bench import decode
 from nanoserve.cli import build_parser
+from nanoserve.model.weights import save_checkpoint
 
 STEPS = {("nanoserve", "fp32", 1, 128): 0.040, ("nanoserve", "gguf", 1, 128): 0.010,
          ("llama.cpp", "gguf", 1, 128): 0.0125, ("transformers", "fp32", 1, 128): 0.050,
          ("nanoserve", "fp32", 8, 128): 0.050, ("nanoserve", "gguf", 8, 128): 0.040,
          ("nanoserve", "fp32", 32, 128): 0.080, ("nanoserve", "gguf", 32, 128): 0.100}
+RUNS = {key: [(0.5, step)] for key, step in STEPS.items()}  # one round: (prefill s, step s)
 BYTES = {("nanoserve", "fp32"): 5e8, ("nanoserve", "gguf"): 1e8, ("llama.cpp", "gguf"): 1e8,
          ("transformers", "fp32"): 5e8}
 
 
 def test_rows_divide_numbers_of_the_same_run():
-    rows = {(r.engine, r.weights, r.batch): r for r in decode.make_rows(STEPS, BYTES, bandwidth=20e9)}
+    rows = {(r.engine, r.weights, r.batch): r for r in decode.make_rows(RUNS, BYTES, bandwidth=20e9)}
     blocks = rows[("nanoserve", "gguf", 1)]
     assert blocks.tok_s == 100 and blocks.vs_nanoserve_fp32 == 4 and math.isclose(blocks.vs_llama_cpp, 1.25)
+    assert blocks.vs_transformers == 5 and blocks.prefill_tok_s == 256  # 128 tokens in 0.5 s
+    assert rows[("nanoserve", "gguf", 8)].prefill_tok_s == 2048  # 8 rows of them
     assert math.isclose(blocks.weight_gb_s, 10) and math.isclose(blocks.bandwidth_frac, 0.5)
     assert rows[("nanoserve", "fp32", 8)].tok_s == 160 and math.isnan(rows[("nanoserve", "gguf", 8)].vs_llama_cpp)
     curves = decode.by_batch(list(rows.values()))
@@ -25,7 +34,7 @@ def test_rows_divide_numbers_of_the_same_run():
 
 
 def test_the_csv_round_trips_with_its_header(tmp_path):
-    rows = decode.make_rows(STEPS, BYTES, bandwidth=20e9)
+    rows = decode.make_rows(RUNS, BYTES, bandwidth=20e9)
     path = tmp_path / "d.csv"
     decode.write_csv(path, rows, {"command": "python -m nanoserve bench decode", "llama_cpp": "not installed"})
     header, back = decode.read_csv(path)
@@ -44,7 +53,8 @@ def test_the_command_is_registered_with_its_defaults():
 
 def test_rows_on_int8_activations_keep_the_weights_and_name_the_activations():
     steps = {**STEPS, ("nanoserve", "gguf+int8", 1, 128): 0.008, ("nanoserve", "gguf+int8", 8, 128): 0.030}
-    rows = decode.make_rows(steps, {**BYTES, ("nanoserve", "gguf+int8"): 1e8}, bandwidth=20e9)
+    runs = {key: [(0.5, s)] for key, s in steps.items()}
+    rows = decode.make_rows(runs, {**BYTES, ("nanoserve", "gguf+int8"): 1e8}, bandwidth=20e9)
     int8 = [r for r in rows if r.activations == "int8"]
     assert [(r.weights, r.batch) for r in int8] == [("gguf", 1), ("gguf", 8)]
     assert int8[0].tok_s == 125 and math.isclose(int8[0].bandwidth_frac, 0.625)
@@ -52,3 +62,27 @@ def test_rows_on_int8_activations_keep_the_weights_and_name_the_activations():
     assert decode.by_batch(rows)["gguf+int8"] == {1: 125.0, 8: 8 / 0.030}
     args = build_parser().parse_args(["bench", "decode", "--activations", "fp32", "int8"])
     assert args.activations == ["fp32", "int8"]
+
+
+def test_ratios_pair_rounds_and_medians_are_per_column():
+    """Three rounds: a slow round slows both sides, so the paired ratio is 2 every round; the step is the median."""
+    runs = {("nanoserve", "fp32", 1, 128): [(1.0, 0.1), (1.0, 0.2), (1.0, 0.6)],
+            ("transformers", "fp32", 1, 128): [(2.0, 0.2), (2.0, 0.4), (2.0, 1.2)]}
+    mine, theirs = decode.make_rows(runs, {("nanoserve", "fp32"): 1e8, ("transformers", "fp32"): 1e8}, 1e9)
+    assert mine.vs_transformers == pytest.approx(2.0) and theirs.vs_nanoserve_fp32 == pytest.approx(0.5)
+    assert mine.step_ms == pytest.approx(200) and mine.prefill_tok_s == 128 and theirs.prefill_tok_s == 64
+
+
+@pytest.mark.parametrize("road", ["nanoserve-engine", "nanoserve-contiguous", "nanoserve-nocache"])
+def test_every_road_times_a_request(tiny_model, road):
+    ttft, tpot = decode.time_road(tiny_model, [5, 6, 7], 3, road)
+    assert ttft > 0 and tpot > 0
+    with pytest.raises(KeyError):
+        decode.time_road(tiny_model, [5, 6, 7], 2, "nanoserve-cache")
+
+
+def test_the_bare_step_and_transformers_give_a_prefill_and_a_step(tmp_path, tiny_model):
+    assert all(s > 0 for s in decode.time_nanoserve(tiny_model, [5, 6, 7], batch=2, steps=3))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(save_checkpoint(tiny_model, tmp_path),
+                                                           dtype=torch.float32).eval()
+    assert all(s > 0 for s in decode.time_transformers(hf, [5, 6, 7], steps=3))

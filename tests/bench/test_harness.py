@@ -10,8 +10,10 @@ from nanoserve.bench.harness import (
     time_engine_batch,
     time_hf_generate,
     time_model_batch,
+    timed_greedy,
 )
-from nanoserve.stages import greedy_generate_batch
+from nanoserve.generate import greedy_ids
+from nanoserve.stages import NoCacheSession, cached_session, greedy_generate_batch
 
 
 class TickClock:
@@ -84,3 +86,11 @@ def test_transformers_baseline_is_timed_per_step_and_agrees(model, hf_model, pro
 def test_transformers_baseline_left_pads_ragged_prompts(model, hf_model, prompts):
     _, tokens = time_hf_generate(hf_model, [prompts[0], prompts[2]], steps=2, clock=TickClock())
     assert tokens == greedy_generate_batch(model, [prompts[0], prompts[2]], stop_steps=[2, 2])
+
+
+@pytest.mark.parametrize("stage", [None, "contiguous", "nocache"])
+def test_timed_greedy_tokens_are_greedy_ids_on_every_road(tiny_model, stage):
+    session = {None: None, "contiguous": cached_session(tiny_model, 16), "nocache": NoCacheSession(tiny_model)}
+    ticks = iter(range(100))
+    ids, t = timed_greedy(tiny_model, [5, 6, 7], 6, session[stage], clock=lambda: float(next(ticks)))
+    assert ids == greedy_ids(tiny_model, [5, 6, 7], 6) and (t.output_len, t.ttft, t.tpot) == (6, 1.0, 1.2)

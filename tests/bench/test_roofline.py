@@ -16,6 +16,7 @@ from nanoserve.bench.roofline import (
     decode_intensity,
     decode_limit_tok_s,
     forward_flops,
+    forward_sweep,
     measure_roofline,
     ridge_point,
     step_roofline,
@@ -88,3 +89,8 @@ def test_step_roofline_counts_every_rows_kv_reads(tiny_model):
     assert one.bytes == tiny_model.weight_bytes() + kv and eight.bytes == tiny_model.weight_bytes() + 8 * kv
     assert eight.flops == 8 * one.flops == 8 * forward_flops(cfg, 1, 99)
     assert eight.intensity > one.intensity  # the weights are read once for all rows
+
+
+def test_forward_sweep_rows(tiny_model):
+    rows = forward_sweep(tiny_model, [1, 4], repeats=1)
+    assert [r["tokens"] for r in rows] == [1, 4] and all(r["seconds"] > 0 for r in rows)

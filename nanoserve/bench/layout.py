@@ -1,0 +1,85 @@
+"""`python -m nanoserve bench layout` (Day 11): how fast each candidate layout and call streams a batch-1 decode
+step's weights, on random weights of the model's shapes (a product's speed does not depend on values)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..model import linear
+from ..model.fetch import ensure_model
+from ..model.matmul import ONEDNN, bag_linear, bmm_linear, onednn_linear, pack
+from . import csvio
+from .command import common_arguments, csv_header, report, start
+from .timing import interleaved
+
+
+def _packed(w: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode(False):
+        w = w.clone()  # a normal tensor (one made in inference mode keeps no version, so `pack` refuses it)
+    pack(w)  # the blocked copy lives beside w, as long as w does
+    return w
+
+
+_in_out = lambda w: w.t().contiguous().t()  # (out, in) shape, memory transposed: what matmul.linear_weight stores
+LAYOUTS: dict[str, tuple[Callable, Callable]] = {  # name -> (the stored weight from W (out, in), the batch-1 call)
+    "F.linear, W [out,in] (torch default)": (lambda w: w, lambda x, w: F.linear(x, w)),
+    "torch.mv, W [out,in]": (lambda w: w, lambda x, w: torch.mv(w, x[0])),
+    "x @ W, W [in,out]": (lambda w: w.t().contiguous(), lambda x, wt: x @ wt),
+    "F.linear, W stored [in,out]": (_in_out, lambda x, w: F.linear(x, w)),
+    "oneDNN, W stored [in,out]": (_in_out, onednn_linear),  # oneDNN's product, and on its own blocked copy
+    "oneDNN, W packed": (lambda w: _packed(_in_out(w)), onednn_linear),
+    "embedding_bag, W stored [in,out]": (_in_out, bag_linear),  # a weighted sum of rows (matmul.bag_linear)
+    "torch.bmm of row slices, W stored [in,out]": (_in_out, bmm_linear),  # the same sums as one product
+    "nanoserve's linear, W stored [in,out]": (_in_out, linear),  # one row on this CPU: matmul.ONE_ROW
+}
+if not ONEDNN:
+    del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]
+
+
+def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """The (out, in) matrices one decode step reads, grouped, q/k/v and gate/up fused and split."""
+    C, D, L = cfg.hidden_size, cfg.head_dim, cfg.n_layers
+    H, K, Fi = cfg.n_heads * D, cfg.n_kv_heads * D, cfg.intermediate_size
+    return {"qkv fused": [(H + 2 * K, C)] * L, "q, k, v split": [(H, C), (K, C), (K, C)] * L, "o": [(C, H)] * L,
+            "gate/up fused": [(2 * Fi, C)] * L, "gate, up split": [(Fi, C), (Fi, C)] * L, "down": [(C, Fi)] * L,
+            "lm head": [(cfg.vocab_size, C)]}
+
+
+def layout_rates(cfg: ModelConfig | None = None, repeats: int = 9, groups: list[str] | None = None,
+                 candidates: list[str] | None = None) -> list[dict]:
+    """Weight GB/s per candidate and group, candidates interleaved and warm, on random weights of the model's
+    shapes (a product's speed does not depend on values)."""
+    all_groups, g, rows = layout_groups(cfg or ModelConfig()), torch.Generator().manual_seed(0), []
+    with torch.inference_mode():
+        for group in groups or list(all_groups):
+            weights = [torch.randn(shape, generator=g) for shape in all_groups[group]]  # (out, in) each
+            nbytes = sum(w.numel() * w.element_size() for w in weights)
+            x = torch.randn(1, weights[0].shape[1], generator=g)  # (1, in): the one token of batch 1
+            names = candidates or list(LAYOUTS)
+            stored = {name: [LAYOUTS[name][0](w) for w in weights] for name in names}
+            calls = [lambda call=LAYOUTS[name][1], ws=stored[name], x=x: [call(x, w) for w in ws] for name in names]
+            for name, ts in zip(names, interleaved(calls, repeats, warmup=0, before=lambda call: call())):
+                med = statistics.median(ts)
+                rows.append(dict(group=group, candidate=name, matrices=len(weights), mbytes=nbytes / 1e6,
+                                 median_ms=med * 1e3, gb_s=nbytes / med / 1e9))
+    return rows
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    common_arguments(ap, "data/bench-layout.csv", repeats=9, model=None)
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> int:
+    start(args, model=False)
+    folder = Path(args.model) if args.model else ensure_model()
+    rows = [{k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in r.items()}
+            for r in layout_rates(ModelConfig.from_folder(folder), args.repeats)]
+    meta = csv_header(argv)
+    return report(csvio.write_csv(args.out, rows, meta), meta, rows)
