@@ -119,9 +119,9 @@ def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Se
 
 
 def decode_records(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
-    """The requests run to the end, all at once; the StepRecords of the engine's decode steps."""
+    """The requests run to the end, all at once; the StepRecords of the decode steps every one of them is in."""
     run_requests(engine, prompts, params)
-    return [r for r in engine.history if r.num_prefill_tokens == 0]
+    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],

@@ -29,7 +29,7 @@ from ..tokenizer import Tokenizer
 from .arrivals import replay_engine
 from .command import common_arguments, csv_header, report, start
 from .csvio import write_csv
-from .harness import greedy, ragged_workload, run_requests
+from .harness import decode_records, greedy, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import interleaved
@@ -96,10 +96,8 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
 
 def decode_tok_s(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> float:
     """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step)."""
-    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
-    run_requests(engine, prompts, [greedy(steps)] * len(prompts))
-    full = [r.total_s for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
-    return len(prompts) / statistics.median(full)
+    recs = decode_records(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
+    return len(prompts) / statistics.median(r.total_s for r in recs)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

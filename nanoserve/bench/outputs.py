@@ -36,10 +36,9 @@ def params_for(mode: str, i: int, steps: int) -> SamplingParams:
 
 
 def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int) -> list:
-    """One engine, every prompt at once; its decode steps' StepRecords."""
+    """One engine, every prompt at once; the StepRecords of its decode steps."""
     engine = LLMEngine(model, tok, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)) + 64)
-    recs = decode_records(engine, prompts, [params_for(mode, i, steps) for i in range(len(prompts))])
-    return [r for r in recs if r.num_requests == len(prompts)]
+    return decode_records(engine, prompts, [params_for(mode, i, steps) for i in range(len(prompts))])
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
