@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff check nanoserve tests
 
 bench: model
-	$(BIN)/python -m nanoserve bench single
+	$(BIN)/python -m nanoserve bench decode
 
 clean:
 	rm -rf $(VENV) .pytest_cache
