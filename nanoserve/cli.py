@@ -4,7 +4,7 @@
     fetch          fetch + convert the model (idempotent)
     kernels        build the compiled kernels now and say where they are
     lengths        draw Day 15's request-length CSV
-    bench layout   weight-streaming GB/s of candidate layouts at batch 1
+    bench layout   weight-streaming GB/s of candidate layouts at batch 1 (--rows: more)
     bench paged    paged vs contiguous decode (Day 20)
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)

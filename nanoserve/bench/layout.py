@@ -1,5 +1,6 @@
 """`python -m nanoserve bench layout` (Day 11): how fast each candidate layout and call streams a batch-1 decode
-step's weights, on random weights of the model's shapes (a product's speed does not depend on values)."""
+step's weights, on random weights of the model's shapes (a product's speed does not depend on values); with
+`--rows`, the candidates that take several rows at each count too (a batch's decode step, a prompt)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ LAYOUTS: dict[str, tuple[Callable, Callable]] = {  # name -> (the stored weight 
     "embedding_bag, W stored [in,out]": (_in_out, bag_linear),  # a weighted sum of rows (matmul.bag_linear)
     "torch.bmm of row slices, W stored [in,out]": (_in_out, bmm_linear),  # the same sums as one product
     "nanoserve's linear, W stored [in,out]": (_in_out, linear),  # one row on this CPU: matmul.ONE_ROW
+    "nanoserve's linear, W as load() keeps it": (lambda w: _packed(_in_out(w)), linear),  # AVX2: the tiles
 }
 if not ONEDNN:
     del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]
+ONE_ROW_ONLY = ("torch.mv, W [out,in]", "embedding_bag, W stored [in,out]",  # calls that take one row only
+                "torch.bmm of row slices, W stored [in,out]")
 
 
 def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -53,33 +57,36 @@ def layout_groups(cfg: ModelConfig) -> dict[str, list[tuple[int, int]]]:
 
 
 def layout_rates(cfg: ModelConfig | None = None, repeats: int = 9, groups: list[str] | None = None,
-                 candidates: list[str] | None = None) -> list[dict]:
-    """Weight GB/s per candidate and group, candidates interleaved and warm, on random weights of the model's
-    shapes (a product's speed does not depend on values)."""
-    all_groups, g, rows = layout_groups(cfg or ModelConfig()), torch.Generator().manual_seed(0), []
+                 candidates: list[str] | None = None, rows: int = 1) -> list[dict]:
+    """Weight GB/s and GFLOP/s per candidate and group for products of `rows` rows, candidates interleaved and warm,
+    on random weights of the model's shapes (a product's speed does not depend on values). Past one row, only the
+    candidates that take several rows."""
+    all_groups, g, out = layout_groups(cfg or ModelConfig()), torch.Generator().manual_seed(0), []
     with torch.inference_mode():
         for group in groups or list(all_groups):
             weights = [torch.randn(shape, generator=g) for shape in all_groups[group]]  # (out, in) each
             nbytes = sum(w.numel() * w.element_size() for w in weights)
-            x = torch.randn(1, weights[0].shape[1], generator=g)  # (1, in): the one token of batch 1
-            names = candidates or list(LAYOUTS)
+            x = torch.randn(rows, weights[0].shape[1], generator=g)  # (rows, in): one token per row
+            names = [n for n in candidates or LAYOUTS if rows == 1 or n not in ONE_ROW_ONLY]
             stored = {name: [LAYOUTS[name][0](w) for w in weights] for name in names}
             calls = [lambda call=LAYOUTS[name][1], ws=stored[name], x=x: [call(x, w) for w in ws] for name in names]
             for name, ts in zip(names, interleaved(calls, repeats, warmup=0, before=lambda call: call())):
                 med = statistics.median(ts)
-                rows.append(dict(group=group, candidate=name, matrices=len(weights), mbytes=nbytes / 1e6,
-                                 median_ms=med * 1e3, gb_s=nbytes / med / 1e9))
-    return rows
+                out.append(dict(group=group, candidate=name, rows=rows, matrices=len(weights), mbytes=nbytes / 1e6,
+                                median_ms=med * 1e3, gb_s=nbytes / med / 1e9, gflop_s=rows * nbytes / 2 / med / 1e9))
+    return out
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     common_arguments(ap, "data/bench-layout.csv", repeats=9, model=None)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1], help="rows per product (default: 1, a decode step)")
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     start(args, model=False)
     folder = Path(args.model) if args.model else ensure_model()
+    cfg = ModelConfig.from_folder(folder)
     rows = [{k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in r.items()}
-            for r in layout_rates(ModelConfig.from_folder(folder), args.repeats)]
+            for n in args.rows for r in layout_rates(cfg, args.repeats, rows=n)]
     meta = csv_header(argv)
     return report(csvio.write_csv(args.out, rows, meta), meta, rows)

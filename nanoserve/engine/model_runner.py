@@ -34,8 +34,9 @@ class ModelRunner:
     `kernels`: the compiled kernels for the layer's small ops and for attention: None where they can
     run (fp32, built), True insists, False runs torch's ops; the runner holds the answer and passes it down
     every forward. `attention` picks the attention implementation by name ("reference", "torch", "compiled";
-    `attention.paged`), else the default. `batch_invariant`: a step of one token runs as a step of several
-    too, so a request gets the same bits alone as beside others (its seeded samples too). `compiled_step`:
+    `attention.paged`), else the default. `batch_invariant`: a request gets the same bits alone as beside others
+    (its seeded samples too): a step of one token runs as a step of several, unless its products give one row
+    those bits already (`Llama.one_row_same_bits`: the fp32 tiles on AVX2 CPUs). `compiled_step`:
     a model on GGUF blocks runs its steps as one compiled call where it can (`model.compiled`: the same
     logits, bit for bit, without the Python between the calls); False never."""
 
@@ -62,7 +63,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.storage.copy_blocks(copies)
         n = sum(len(c.token_ids) for c in chunks)
-        ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if self.batch_invariant else 1)))
+        pad_one = self.batch_invariant and not self.model.one_row_same_bits(self.kernels)
+        ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if pad_one else 1)))
         rows = md.last_rows if num_logits is None else logit_rows(md.query_start_loc, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
         if self.block_step is not None and applies(md):

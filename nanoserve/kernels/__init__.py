@@ -17,8 +17,9 @@ is in the step. Whether they run is the caller's explicit choice: `model.ops` an
 `compiled=True/False`, the model runner holds it for its steps (`use_kernels` resolves a request for
 them against what this machine has); the two roads agree to fp32 rounding. The same extension holds the
 product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
-`model.compiled`), which steps a model on blocks through all of these in one call, and the product of a
-bf16 matrix where torch has no fast one (`bf16_linear`, `csrc/matmul_bf16.cpp`).
+`model.compiled`), which steps a model on blocks through all of these in one call, the product of a
+bf16 matrix where torch has no fast one (`bf16_linear`, `csrc/matmul_bf16.cpp`), and an fp32 matrix's
+product in one summation order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -45,7 +46,8 @@ from ..config import nanoserve_home
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
-SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "matmul_bf16.cpp", CSRC / "quant.cpp", CSRC / "int8.cpp",
+SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "matmul_bf16.cpp", CSRC / "matmul_fp32.cpp",
+           CSRC / "quant.cpp", CSRC / "int8.cpp",
            CSRC / "step.cpp", CSRC / "module.cpp"]  # one extension, and its header:
 HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
@@ -243,6 +245,21 @@ def bf16_linear(x: Tensor, w: Tensor) -> Tensor:
     if has_torch_function((x, w)):
         return handle_torch_function(bf16_linear, (x, w), x, w)
     return _ext().bf16_linear(x, w)
+
+
+def pack_fp32(w: Tensor) -> Tensor:
+    """An fp32 matrix w (N, K) as the tiles `fp32_linear` reads: (ceil(N / 16), K, 16), the weights of 16
+    consecutive outputs one contiguous stretch, the last tile padded with zero outputs."""
+    return _ext().pack_fp32(w)
+
+
+def fp32_linear(x: Tensor, tiles: Tensor, n_out: int) -> Tensor:
+    """x @ w.T for x (M, K) fp32 from w's tiles (`pack_fp32`) -> (M, n_out): each output the in-order sum of its
+    slices of 64 inputs, each slice an in-order chain of fused multiply-adds (csrc/matmul_fp32.cpp). The order
+    never depends on M, so a row gets the same bits alone as beside any other rows."""
+    if has_torch_function((x, tiles)):
+        return handle_torch_function(fp32_linear, (x, tiles), x, tiles, n_out)
+    return _ext().fp32_linear(x, tiles, n_out)
 
 
 def _ext() -> ModuleType:

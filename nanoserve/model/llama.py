@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import kernels
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
-from .matmul import PACK_ROWS, BlockWeight, embedding, forward_rows, linear, linear_weight, pack
+from .matmul import PACK_ROWS, BlockWeight, embedding, forward_rows, linear, linear_weight, pack, tiled
 from .ops import add_rms_norm, rope_cos_sin, rope_frequencies, rope_qk, silu_mul
 
 
@@ -207,10 +207,15 @@ class Llama(nn.Module):
         return str(self.layers[0].wqkv.dtype).removeprefix("torch.")
 
     def pack_weights(self, rows: int = PACK_ROWS) -> int:
-        """Give every matrix a oneDNN-blocked copy (`pack`): faster products of two or more rows (prefill,
-        batches), for the memory of the weights once more. Returns the bytes added (0 without oneDNN)."""
+        """Give every matrix a copy laid out for its product (`pack`: tiles on AVX2 CPUs, else oneDNN's blocks):
+        faster products, for the memory of the weights once more. Returns the bytes added (0 without either)."""
         mats = {id(w): w for w in self.matrices() if isinstance(w, Tensor)}
         return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
+
+    def one_row_same_bits(self, compiled: bool) -> bool:
+        """Whether a step of one row gives it the bits a step of many would, with no rows added: every product on
+        the fp32 tiles (`matmul.tiled`, the kernels on). Elsewhere a batch-invariant runner pads one row to more."""
+        return compiled and all(isinstance(w, Tensor) and tiled(w) is not None for w in self.matrices())
 
     def matrices(self) -> list[Tensor | BlockWeight]:
         """Every matrix a product multiplies by: each layer's four, then the head."""

@@ -3,12 +3,16 @@
 Every matrix is stored [in, out] (`linear_weight`): the same (out, in) tensor F.linear
 expects, transposed in memory. `linear(x, w)` then takes one of these roads:
 
+- AVX2 CPUs (`TILES`), with the compiled kernels: `kernels.fp32_linear`, on the copy of w that `pack`
+  lays out in tiles of 16 outputs. Each output sums its inputs in slices of 64, each slice an in-order chain,
+  the slices added in order: one order for any number of rows, so a row gets the same bits alone as in a
+  batch without rows added, and one row streams w at the memory's speed. torch's roads below sum one row and
+  many in different orders, and on AVX2 they ran slower at every row count (`bench layout --rows`).
 - one row (a batch-1 decode step): a matrix-vector product is bound by how fast w streams
   from memory, and x @ w.T = sum_i x[i] * w.T[i] is a weighted sum of w's contiguous rows.
   F.embedding_bag computes exactly that (`bag_linear`); one batched product of row slices
   is the same sum (`bmm_linear`). `ONE_ROW` picks the faster per CPU. Both add the rows in
-  bags and sum the partial sums, which rounds less than one long running sum: batch 1 is
-  where logits are held closest to the reference.
+  bags and sum the partial sums, which rounds less than one long running sum.
 - two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
@@ -31,6 +35,7 @@ llama.cpp multiplies them.
 from __future__ import annotations
 
 import functools
+import platform
 from pathlib import Path
 
 import torch
@@ -74,6 +79,18 @@ def one_row_road() -> str:
     return "bag" if capability == "AVX512" and amd else "bmm"
 
 
+def tiles_road() -> bool:
+    """Whether fp32 products take the compiled kernel's tiles here (`kernels.fp32_linear`): x86 CPUs whose widest
+    vector unit torch uses is AVX2. There oneDNN's product of a few rows runs well below the memory's speed, so a
+    batch-invariant engine (every step on oneDNN) cost a lone request its speed; the tiles ran faster than both
+    torch roads at every row count there (`python -m nanoserve bench layout --rows`). AVX-512 CPUs keep the roads
+    measured on them."""
+    try:
+        return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _cpu_flags() -> set[str]:
     try:
         line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
@@ -109,6 +126,7 @@ def _bf16_onednn() -> bool:
 ONEDNN = _has_onednn()
 ONEDNN_DTYPES = (torch.float32, torch.bfloat16)  # what `pack` blocks for oneDNN (bf16 where its build takes bf16)
 ONE_ROW = one_row_road()
+TILES = tiles_road()
 BAG_ROWS = 16  # rows per partial sum of the bag road (at least): the rounding is best near 16
 PARTIAL_SUMS = 1 << 19  # at most this many partial-sum floats (2 MB): only the LM head needs bigger bags
 BMM_ROWS = 32  # rows per slice of the bmm road (it divides the model's in-features: 576, 1536)
@@ -151,11 +169,18 @@ def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
 
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
-    """Keep a copy of w in oneDNN's blocked layout beside it (an attribute of w), for `linear` to
-    read; False where there is no oneDNN or w is not an fp32 CPU matrix. The copy costs w's bytes
-    again, and is ignored once w is written (its version moves on): it never serves stale weights."""
-    if not (ONEDNN and w.dtype in ONEDNN_DTYPES and w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
+    """Keep a copy of w beside it (an attribute of w) for `linear` to read: its tiles (`tiled`) where `TILES` and
+    the kernels are built, else oneDNN's blocked layout (`packed`, made for `rows` rows). False where there is
+    neither, or w is not an fp32 CPU matrix (a bf16 one: oneDNN's copy only). The copy costs w's bytes again, and
+    is ignored once w is written (its version moves on): it never serves stale weights."""
+    if not (w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
         return False  # (an inference tensor keeps no version: a write to it could not be seen)
+    if TILES and w.dtype == torch.float32 and kernels.available():
+        with torch.inference_mode(False), torch.no_grad():
+            w._nanoserve_tiles = (w._version, kernels.pack_fp32(w.detach()))
+        return True
+    if not (ONEDNN and w.dtype in ONEDNN_DTYPES):
+        return False
     try:
         with torch.inference_mode(False), torch.no_grad():
             blocked = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows)
@@ -166,8 +191,14 @@ def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
 
 
 def packed(w: Tensor) -> Tensor | None:
-    """w's blocked copy, if it has a current one."""
+    """w's oneDNN-blocked copy, if it has a current one."""
     entry = getattr(w, "_nanoserve_packed", None)
+    return entry[1] if entry is not None and entry[0] == w._version else None
+
+
+def tiled(w: Tensor) -> Tensor | None:
+    """w's tiles for `kernels.fp32_linear`, if it has a current copy."""
+    entry = getattr(w, "_nanoserve_tiles", None)
     return entry[1] if entry is not None and entry[0] == w._version else None
 
 
@@ -251,14 +282,18 @@ def embedding(ids: Tensor, w: Tensor | BlockWeight, dtype: torch.dtype | None = 
 
 def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc).
-    `compiled` matters to a BlockWeight only: the block kernel (None: where built), or else a dequantized copy
-    (fp32 activations) or the int8 product's torch reference (int8 activations: the same bits)."""
+    `compiled`: the kernels' roads (None: where built): for an fp32 w, its tiles where it has them, else torch's
+    roads; for a BlockWeight, the block kernel, else a dequantized copy (fp32 activations) or the int8 product's
+    torch reference (int8 activations: the same bits)."""
     if isinstance(w, BlockWeight):
         if w.activations == "int8":
             return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled, packed=w.int8_packed())
         return quant.block_linear(x, w.blocks, w.fmt, compiled)
     n_out, n_in = w.shape
     if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
+        tiles = tiled(w)
+        if tiles is not None and not torch.is_grad_enabled() and kernels.resolve(compiled):
+            return kernels.fp32_linear(x.reshape(-1, n_in), tiles, n_out).view(*x.shape[:-1], n_out)
         if x.numel() == n_in:
             if ONE_ROW == "bmm" and n_in % BMM_ROWS == 0:
                 return bmm_linear(x, w)

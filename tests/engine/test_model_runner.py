@@ -3,14 +3,17 @@ its own sequence, and the same bits whatever else is in a step of two or more to
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from nanoserve.attention import Chunk, PagedAttention, prepare
-from nanoserve.engine import ModelRunner
+from nanoserve.engine import ModelRunner, model_runner
 from nanoserve.engine.model_runner import logit_rows
 from nanoserve.kv import BlockManager, KVStorage
+from nanoserve.model import Llama
+from nanoserve.model import matmul as mm
 from nanoserve.model.matmul import forward_rows
 
 KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> ModelRunner's kernels=
@@ -183,3 +186,26 @@ def test_a_prompt_alone_is_the_same_bits_as_in_a_batch_and_one_token_alone_the_s
     run = Composition(tiny_model, KERNELS[road], 4, ids, 8)
     alone, beside = run.target_logits([], 0, 1), run.target_logits([(3, 1)], 0, 2)
     torch.testing.assert_close(alone, beside, atol=1e-5, rtol=0)
+
+
+def test_on_the_fp32_tiles_one_token_alone_is_the_same_bits_as_in_a_batch_with_no_rows_added(tiny_cfg, compiled,
+                                                                                              monkeypatch):
+    """Where every product runs the fp32 tiles (AVX2 CPUs), a batch-invariant runner steps a lone decode token as
+    one row (the memory-bound road a lone request needs) and it still gets the bits it gets beside others."""
+    if not mm.TILES:
+        pytest.skip("the fp32 tiles are the road of AVX2 CPUs only")
+    model = Llama.random(tiny_cfg, seed=0)  # its own: packing the shared tiny model would change other tests' roads
+    model.pack_weights()
+    assert model.one_row_same_bits(True)
+    rows = []
+
+    def counting(chunks, block_size, num_rows):
+        rows.append(num_rows)
+        return prepare(chunks, block_size, num_rows)
+
+    monkeypatch.setattr(model_runner, "prepare", counting)
+    run = Composition(model, None, 4, ids_of(9, 4), 8)
+    run.runner.batch_invariant = True
+    alone = run.target_logits([], 0, 1)
+    assert rows[-1] == 1
+    assert torch.equal(alone, run.target_logits([(3, 1), (0, 4)], 1, 2))

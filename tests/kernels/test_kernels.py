@@ -167,6 +167,39 @@ def test_bf16_linear_is_the_in_order_fp32_sum_rounded_once_for_any_rows(compiled
         kernels.bf16_linear(x, w.contiguous())
 
 
+def sliced_fma_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32_linear's definition in torch: each output the in-order sum of its slices of 64 inputs, each slice a
+    chain of fused multiply-adds from 0 (the product is exact in float64, the sum then rounded once to fp32)."""
+    out = None
+    for i0 in range(0, x.shape[1], 64):
+        s = torch.zeros(x.shape[0], w.shape[0])
+        for i in range(i0, min(x.shape[1], i0 + 64)):
+            s = (x[:, i:i + 1].double() * w[:, i].double() + s.double()).float()
+        out = s if out is None else out + s
+    return out
+
+
+@pytest.mark.parametrize("N", [16, 64, 96, 101, 3])
+def test_fp32_linear_is_its_sliced_order_for_any_rows(compiled, N):
+    """Rows 1..13 (one row's 4-tile chains, each few-row shape, whole groups of 6 and their remainders), a last
+    slice shorter than 64 (K = 150) and a last tile past N: the definition's bits, a row's bits alone are its
+    bits among others, and within fp32 rounding of fp64."""
+    g = torch.Generator().manual_seed(N)
+    w = torch.randn(N, 150, generator=g) / 150**0.5
+    x = torch.randn(13, 150, generator=g)
+    tiles = kernels.pack_fp32(w)
+    assert tiles.shape == (-(-N // 16), 150, 16)
+    full = kernels.fp32_linear(x, tiles, N)
+    assert full.shape == (13, N) and torch.equal(full, sliced_fma_product(x, w))
+    for m in range(1, 13):
+        assert torch.equal(kernels.fp32_linear(x[:m], tiles, N), full[:m]), m
+    assert torch.equal(kernels.fp32_linear(x[7:8], tiles, N), full[7:8])
+    assert (full.double() - x.double() @ w.double().T).abs().max().item() < 1e-5
+    assert kernels.fp32_linear(x[:0], tiles, N).shape == (0, N)
+    with pytest.raises(RuntimeError, match="tiles \\(ceil\\(N / 16\\), K, 16\\) from pack_fp32"):
+        kernels.fp32_linear(x[:, :149], tiles, N)
+
+
 def test_the_kernels_refuse_the_wrong_dtype_or_layout(compiled):
     with pytest.raises(RuntimeError, match="x: expected a float32 CPU tensor"):
         kernels.add_rms_norm(torch.ones(2, 8, dtype=torch.float64), None, torch.ones(8), 1e-5)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.model import Llama, linear, linear_weight
 from nanoserve.model import matmul as mm
@@ -101,25 +102,33 @@ def test_this_torch_has_onednn():
     assert mm.ONEDNN
 
 
+def kept(w: torch.Tensor) -> torch.Tensor | None:
+    """The copy `pack` keeps beside w on this CPU: tiles where the fp32 kernel runs (AVX2), else oneDNN's blocks."""
+    return mm.tiled(w) if mm.TILES and kernels.available() else mm.packed(w)
+
+
 def test_packed_weights_give_the_same_products_and_never_go_stale():
     g = torch.Generator().manual_seed(2)
     w = random_linear_weight(1536, 576, g)
     x = torch.randn(40, 576, generator=g)
     with torch.inference_mode():
         plain = linear(x, w)
-        assert mm.packed(w) is None
-        assert mm.pack(w) and mm.packed(w) is not None
+        assert kept(w) is None
+        assert mm.pack(w) and kept(w) is not None
         full = linear(x, w)
         torch.testing.assert_close(full, plain, atol=1e-5, rtol=1e-5)
         for m in range(2, 41):  # batch invariance holds on the packed copy too
             assert torch.equal(linear(x[:m], w), full[:m]), m
         torch.testing.assert_close(linear(x[:1], w), plain[:1], atol=1e-5, rtol=1e-5)
+        if mm.tiled(w) is not None:  # the tiles: one row alone is its bits among 40, with no rows added
+            assert torch.equal(linear(x[7:8], w), full[7:8])
+            torch.testing.assert_close(linear(x, w, compiled=False), plain, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
         w.mul_(2.0)  # a write: the packed copy is now stale and must not be read
-    assert mm.packed(w) is None
+    assert kept(w) is None
     with torch.inference_mode():
         torch.testing.assert_close(linear(x, w), 2 * plain, atol=1e-5, rtol=1e-5)
-    assert mm.packed(w.detach().clone()) is None  # a copy of the weight does not inherit the blocked copy
+    assert kept(w.detach().clone()) is None  # a copy of the weight does not inherit the blocked copy
     alive = weakref.ref(w)
     del w
     gc.collect()
@@ -138,14 +147,16 @@ def test_pack_weights_packs_every_matrix_once(tiny_cfg):
     added = model.pack_weights()
     mats = [w for blk in model.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)]
     mats.append(model.lm_head)
-    assert all(mm.packed(w) is not None for w in mats)
+    assert all(kept(w) is not None for w in mats)
+    assert model.one_row_same_bits(True) == (mm.TILES and kernels.available())
+    assert not model.one_row_same_bits(False)
     assert added == sum(w.numel() * w.element_size() for w in mats)
 
 
 def test_load_model_packs_by_default(tmp_path, tiny_model):
     folder = save_checkpoint(tiny_model, tmp_path)
-    assert mm.packed(load_model(folder).layers[0].wqkv) is not None
-    assert mm.packed(load_model(folder, pack=False).layers[0].wqkv) is None
+    assert kept(load_model(folder).layers[0].wqkv) is not None
+    assert kept(load_model(folder, pack=False).layers[0].wqkv) is None
 
 
 # ---- the [in, out] layout --------------------------------------------------------------------------

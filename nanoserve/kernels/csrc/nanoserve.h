@@ -1,7 +1,8 @@
 // The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
 // attention), attention_bf16.cpp (a prompt's attention with bf16 products), matmul_bf16.cpp (a bf16 matrix's
-// product where torch has none fast), quant.cpp (the product on GGUF blocks),
-// step.cpp (a model on blocks stepped by one call) and module.cpp (the Python bindings).
+// product where torch has none fast), matmul_fp32.cpp (an fp32 matrix's, one order for any rows), quant.cpp
+// (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call) and module.cpp (the Python
+// bindings).
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/types.h>  // torch::Tensor and its factories; the bindings alone need torch/extension.h
@@ -50,6 +51,9 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 bool prompt_attention_bf16_here();
 // x @ w.T for a bf16 matrix stored [in, out] (matmul_bf16.cpp).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
+// x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).
+torch::Tensor pack_fp32(torch::Tensor w);
+torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
