@@ -45,6 +45,8 @@ class ModelRunner:
         self.model, self.storage = model, storage
         self.batch_invariant = batch_invariant
         self.kernels = use_kernels(model.dtype, kernels)
+        # read once, not each step (it asks every matrix): a runner's weights are not rewritten under it
+        self.one_row_same_bits = model.one_row_same_bits(self.kernels)
         self.attention = choose(self.kernels, attention)
         use_step = compiled_step is not False and self.attention == "compiled"
         self.block_step = BlockStep.of(model) if use_step else None
@@ -63,7 +65,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.storage.copy_blocks(copies)
         n = sum(len(c.token_ids) for c in chunks)
-        pad_one = self.batch_invariant and not self.model.one_row_same_bits(self.kernels)
+        pad_one = self.batch_invariant and not self.one_row_same_bits
         ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if pad_one else 1)))
         rows = md.last_rows if num_logits is None else logit_rows(md.query_start_loc, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
