@@ -40,7 +40,7 @@ LAYOUTS: dict[str, tuple[Callable, Callable]] = {  # name -> (the stored weight 
     "embedding_bag, W stored [in,out]": (_in_out, bag_linear),  # a weighted sum of rows (matmul.bag_linear)
     "torch.bmm of row slices, W stored [in,out]": (_in_out, bmm_linear),  # the same sums as one product
     "nanoserve's linear, W stored [in,out]": (_in_out, linear),  # one row on this CPU: matmul.ONE_ROW
-    "nanoserve's linear, W as load() keeps it": (lambda w: _packed(_in_out(w)), linear),  # AVX2: the tiles
+    "nanoserve's linear, W as load() keeps it": (lambda w: _packed(_in_out(w)), linear),  # x86: the tiles
     # the tiles kernel on any CPU it builds on, its road or not (`matmul.TILES`): what a CPU would gain from it
     "kernels.fp32_linear, W in tiles": (lambda w: (kernels.pack_fp32(w), w.shape[0]),
                                         lambda x, tn: kernels.fp32_linear(x, *tn)),

@@ -36,7 +36,7 @@ class ModelRunner:
     every forward. `attention` picks the attention implementation by name ("reference", "torch", "compiled";
     `attention.paged`), else the default. `batch_invariant`: a request gets the same bits alone as beside others
     (its seeded samples too): a step of one token runs as a step of several, unless its products give one row
-    those bits already (`Llama.one_row_same_bits`: the fp32 tiles on AVX2 CPUs). `compiled_step`:
+    those bits already (`Llama.one_row_same_bits`: the fp32 tiles on x86 CPUs). `compiled_step`:
     a model on GGUF blocks runs its steps as one compiled call where it can (`model.compiled`: the same
     logits, bit for bit, without the Python between the calls); False never."""
 

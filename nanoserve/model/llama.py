@@ -207,7 +207,7 @@ class Llama(nn.Module):
         return str(self.layers[0].wqkv.dtype).removeprefix("torch.")
 
     def pack_weights(self, rows: int = PACK_ROWS) -> int:
-        """Give every matrix a copy laid out for its product (`pack`: tiles on AVX2 CPUs, else oneDNN's blocks):
+        """Give every matrix a copy laid out for its product (`pack`: tiles on x86 CPUs, else oneDNN's blocks):
         faster products, for the memory of the weights once more. Returns the bytes added (0 without either)."""
         mats = {id(w): w for w in self.matrices() if isinstance(w, Tensor)}
         return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))

@@ -3,11 +3,11 @@
 Every matrix is stored [in, out] (`linear_weight`): the same (out, in) tensor F.linear
 expects, transposed in memory. `linear(x, w)` then takes one of these roads:
 
-- AVX2 CPUs (`TILES`), with the compiled kernels: `kernels.fp32_linear`, on the copy of w that `pack`
-  lays out in tiles of 16 outputs. Each output sums its inputs in slices of 64, each slice an in-order chain,
-  the slices added in order: one order for any number of rows, so a row gets the same bits alone as in a
-  batch without rows added, and one row streams w at the memory's speed. torch's roads below sum one row and
-  many in different orders (`bench layout --rows` compares them all).
+- x86 CPUs with AVX2 or AVX-512 (`TILES`), with the compiled kernels: `kernels.fp32_linear`, on the copy of w
+  that `pack` lays out in tiles of 16 outputs. Each output sums its inputs in slices of 64, each slice an
+  in-order chain, the slices added in order: one order for any number of rows, so a row gets the same bits
+  alone as in a batch without rows added, and one row streams w at the memory's speed. torch's roads below sum
+  one row and many in different orders (`bench layout --rows` compares them all).
 - one row (a batch-1 decode step): a matrix-vector product is bound by how fast w streams
   from memory, and x @ w.T = sum_i x[i] * w.T[i] is a weighted sum of w's contiguous rows.
   F.embedding_bag computes exactly that (`bag_linear`); one batched product of row slices
@@ -81,12 +81,14 @@ def one_row_road() -> str:
 
 def tiles_road() -> bool:
     """Whether fp32 products take the compiled kernel's tiles here (`kernels.fp32_linear`): x86 CPUs whose widest
-    vector unit torch uses is AVX2. There oneDNN's product of a few rows is slow, and torch's one-row road sums in
-    another order than its many-row one, so a batch-invariant engine had to put a lone request on the slow road; the
-    tiles sum every row count in one order (`python -m nanoserve bench layout --rows` compares the roads on the
-    machine at hand). Elsewhere torch's roads stay."""
+    vector unit torch uses is AVX2 or AVX-512 (the kernel is built for that unit). torch's one-row road sums in
+    another order than its many-row one, so a batch-invariant engine would put a lone request on oneDNN's product
+    of a few rows, slow there; the tiles sum every row count in one order, the same on both units
+    (`python -m nanoserve bench layout --rows` compares the roads on the machine at hand). Elsewhere torch's
+    roads stay."""
     try:
-        return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.cpu.get_cpu_capability() == "AVX2"
+        return platform.machine().lower() in ("x86_64", "amd64") and \
+            torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
     except (AttributeError, RuntimeError):
         return False
 

@@ -190,10 +190,10 @@ def test_a_prompt_alone_is_the_same_bits_as_in_a_batch_and_one_token_alone_the_s
 
 def test_on_the_fp32_tiles_one_token_alone_is_the_same_bits_as_in_a_batch_with_no_rows_added(tiny_cfg, compiled,
                                                                                               monkeypatch):
-    """Where every product runs the fp32 tiles (AVX2 CPUs), a batch-invariant runner steps a lone decode token as
+    """Where every product runs the fp32 tiles (x86 CPUs), a batch-invariant runner steps a lone decode token as
     one row (the memory-bound road a lone request needs) and it still gets the bits it gets beside others."""
     if not mm.TILES:
-        pytest.skip("the fp32 tiles are the road of AVX2 CPUs only")
+        pytest.skip("the fp32 tiles are the road of x86 CPUs with AVX2 or AVX-512 only")
     model = Llama.random(tiny_cfg, seed=0)  # its own: packing the shared tiny model would change other tests' roads
     model.pack_weights()
     assert model.one_row_same_bits(True)

@@ -181,17 +181,17 @@ def sliced_fma_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("N", [16, 64, 96, 101, 3])
 def test_fp32_linear_is_its_sliced_order_for_any_rows(compiled, N):
-    """Rows 1..13 (one row's 4-tile chains, each few-row shape, whole groups of 6 and their remainders), a last
-    slice shorter than 64 (K = 150) and a last tile past N: the definition's bits, a row's bits alone are its
-    bits among others, and within fp32 rounding of fp64."""
+    """Rows 1..40 (one row's 4-tile chains, each few-row shape, whole register groups, of 6 rows on AVX2 and 12
+    on AVX-512, and their remainders), a last slice shorter than 64 (K = 150) and a last tile past N: the
+    definition's bits, a row's bits alone are its bits among others, and within fp32 rounding of fp64."""
     g = torch.Generator().manual_seed(N)
     w = torch.randn(N, 150, generator=g) / 150**0.5
-    x = torch.randn(13, 150, generator=g)
+    x = torch.randn(40, 150, generator=g)
     tiles = kernels.pack_fp32(w)
     assert tiles.shape == (-(-N // 16), 150, 16)
     full = kernels.fp32_linear(x, tiles, N)
-    assert full.shape == (13, N) and torch.equal(full, sliced_fma_product(x, w))
-    for m in range(1, 13):
+    assert full.shape == (40, N) and torch.equal(full, sliced_fma_product(x, w))
+    for m in range(1, 40):
         assert torch.equal(kernels.fp32_linear(x[:m], tiles, N), full[:m]), m
     assert torch.equal(kernels.fp32_linear(x[7:8], tiles, N), full[7:8])
     assert (full.double() - x.double() @ w.double().T).abs().max().item() < 1e-5

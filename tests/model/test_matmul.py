@@ -103,7 +103,7 @@ def test_this_torch_has_onednn():
 
 
 def kept(w: torch.Tensor) -> torch.Tensor | None:
-    """The copy `pack` keeps beside w on this CPU: tiles where the fp32 kernel runs (AVX2), else oneDNN's blocks."""
+    """The copy `pack` keeps beside w on this CPU: tiles where the fp32 kernel runs (x86), else oneDNN's blocks."""
     return mm.tiled(w) if mm.TILES and kernels.available() else mm.packed(w)
 
 

@@ -1,5 +1,5 @@
-// x @ w.T for an fp32 matrix, on a CPU where torch's own products are slow at few rows (AVX2:
-// nanoserve/model/matmul.py's "tiles" road), with one summation order for every row count.
+// x @ w.T for an fp32 matrix (nanoserve/model/matmul.py's "tiles" road, on x86 CPUs), with one summation order
+// for every row count.
 //
 // out[r, j] = the sum over slices of SLICE inputs, in order, of each slice's in-order fused multiply-add
 // chain: p_s = fma(x[r, i], w[i, j], ...) for i in the slice, from 0; out = ((p_0 + p_1) + p_2) + ... A row's
@@ -9,8 +9,8 @@
 //
 // w is read from a copy in tiles (`pack_fp32`): the weights of TILE consecutive outputs, K rows of TILE
 // numbers, one contiguous stretch. One row of x then streams each tile front to back (memory-bound, as a
-// decode step is); many rows take the tiles one at a time, and every group of ROWS rows reads the tile from
-// the cache. A tile of the copy past w's last output holds zeros.
+// decode step is); many rows take the tiles one at a time (AVX2) or two at a time (AVX-512, whose vector is one
+// tile), and every group of rows reads them from the cache. A tile of the copy past w's last output holds zeros.
 #include "nanoserve.h"
 
 #include <cmath>
@@ -99,6 +99,40 @@ void micro(const float* x, int64_t K, const float* wt, int64_t N, float* out) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// AVX-512: a tile is one 16-float vector, so R rows times T tiles hold R * T sums (up to 24 of 32 registers).
+// Each lane takes the same fused multiply-adds in the same order as above: the same bits.
+template <int R, int T>
+void micro16(const float* x, int64_t K, const float* wt, int64_t N, float* out, const float* next = nullptr) {
+  static_assert(R * T <= 24, "at most 24 sums");
+  for (int64_t i0 = 0; i0 < K; i0 += SLICE) {
+    __m512 s[R][T];
+#pragma GCC unroll 24
+    for (int k = 0; k < R * T; ++k) s[k / T][k % T] = _mm512_setzero_ps();
+    for (int64_t i = i0, i1 = std::min(K, i0 + SLICE); i < i1; ++i) {
+      __m512 w[T];
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) w[t] = _mm512_loadu_ps(wt + t * K * TILE + i * TILE);
+      if (next != nullptr)  // the next tiles, asked for from memory while these are computed on
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t)
+          _mm_prefetch(reinterpret_cast<const char*>(next + t * K * TILE + i * TILE), _MM_HINT_T1);
+#pragma GCC unroll 24
+      for (int r = 0; r < R; ++r) {
+        const __m512 b = _mm512_set1_ps(x[r * K + i]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t) s[r][t] = _mm512_fmadd_ps(b, w[t], s[r][t]);
+      }
+    }
+#pragma GCC unroll 24
+    for (int k = 0; k < R * T; ++k) {
+      float* o = out + (k / T) * N + (k % T) * TILE;
+      _mm512_storeu_ps(o, i0 == 0 ? s[k / T][k % T] : _mm512_add_ps(_mm512_loadu_ps(o), s[k / T][k % T]));
+    }
+  }
+}
+#endif
+
 // R rows times n tiles, T at a time (T independent chains per row keep the FMA units busy at one row).
 template <int R, int T>
 void row_tiles(const float* x, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
@@ -106,6 +140,57 @@ void row_tiles(const float* x, int64_t K, const float* wt, int64_t n, int64_t N,
   for (; t + T <= n; t += T) micro<R, T>(x, K, wt + t * K * TILE, N, out + t * TILE);
   for (; t < n; ++t) micro<R, 1>(x, K, wt + t * K * TILE, N, out + t * TILE);
 }
+
+#if defined(__AVX512F__)
+template <int R, int T>
+void row_tiles16(const float* x, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
+  int64_t t = 0;
+  for (; t + T <= n; t += T) micro16<R, T>(x, K, wt + t * K * TILE, N, out + t * TILE);
+  for (; t < n; ++t) micro16<R, 1>(x, K, wt + t * K * TILE, N, out + t * TILE);
+}
+
+constexpr int MANY = 12;  // rows of x a register tile holds for many rows: 12 rows times 2 tiles
+
+// Up to MANY - 1 rows times n tiles, at most T at a time (one row: the AVX2 loop's four streams, which keep the
+// memory busy).
+template <int T>
+void rows16(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
+  switch (M) {
+    case 11: row_tiles16<11, std::min(T, 2)>(x, K, wt, n, N, out); break;
+    case 10: row_tiles16<10, std::min(T, 2)>(x, K, wt, n, N, out); break;
+    case 9: row_tiles16<9, std::min(T, 2)>(x, K, wt, n, N, out); break;
+    case 8: row_tiles16<8, std::min(T, 3)>(x, K, wt, n, N, out); break;
+    case 7: row_tiles16<7, std::min(T, 3)>(x, K, wt, n, N, out); break;
+    case 6: row_tiles16<6, T>(x, K, wt, n, N, out); break;
+    case 5: row_tiles16<5, T>(x, K, wt, n, N, out); break;
+    case 4: row_tiles16<4, T>(x, K, wt, n, N, out); break;
+    case 3: row_tiles16<3, T>(x, K, wt, n, N, out); break;
+    case 2: row_tiles16<2, T>(x, K, wt, n, N, out); break;
+    case 1: row_tiles<1, 4>(x, K, wt, n, N, out); break;
+    default: break;
+  }
+}
+
+void few_rows(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
+  rows16<4>(x, M, K, wt, n, N, out);
+}
+
+// Every row times n tiles, two at a time: each group of MANY rows, then the rows left over, reads the pair from
+// the cache. The first group asks for the next pair from memory as it goes, so that no group waits for its tiles.
+void many_rows(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
+  for (int64_t t = 0; t < n; t += 2) {
+    const float *pair = wt + t * K * TILE, *next = t + 2 < n ? pair + 2 * K * TILE : nullptr;
+    const bool two = t + 1 < n;
+    int64_t r = 0;
+    for (; r + MANY <= M; r += MANY) {
+      if (two) micro16<MANY, 2>(x + r * K, K, pair, N, out + r * N + t * TILE, r == 0 ? next : nullptr);
+      else micro16<MANY, 1>(x + r * K, K, pair, N, out + r * N + t * TILE);
+    }
+    rows16<2>(x + r * K, M - r, K, pair, two ? 2 : 1, N, out + r * N + t * TILE);
+  }
+}
+#else
+constexpr int MANY = ROWS;
 
 // Up to ROWS - 1 rows times n tiles.
 void few_rows(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
@@ -127,6 +212,7 @@ void many_rows(const float* x, int64_t M, int64_t K, const float* wt, int64_t n,
     few_rows(x + r * K, M - r, K, wt + t * K * TILE, 1, N, out + r * N + t * TILE);
   }
 }
+#endif
 
 }  // namespace
 
@@ -156,7 +242,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N) {
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
   for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per, n = std::min(per, nt - t0);
-    if (M < ROWS) few_rows(xp, M, K, wp + t0 * K * TILE, n, width, op + t0 * TILE);
+    if (M < MANY) few_rows(xp, M, K, wp + t0 * K * TILE, n, width, op + t0 * TILE);
     else many_rows(xp, M, K, wp + t0 * K * TILE, n, width, op + t0 * TILE);
   });
   return width == N ? out : out.narrow(1, 0, N).contiguous();
