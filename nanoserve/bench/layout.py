@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import kernels
 from ..config import ModelConfig
 from ..model import linear
 from ..model.fetch import ensure_model
@@ -41,12 +40,7 @@ LAYOUTS: dict[str, tuple[Callable, Callable]] = {  # name -> (the stored weight 
     "torch.bmm of row slices, W stored [in,out]": (_in_out, bmm_linear),  # the same sums as one product
     "nanoserve's linear, W stored [in,out]": (_in_out, linear),  # one row on this CPU: matmul.ONE_ROW
     "nanoserve's linear, W as load() keeps it": (lambda w: _packed(_in_out(w)), linear),  # x86: the tiles
-    # the tiles kernel on any CPU it builds on, its road or not (`matmul.TILES`): what a CPU would gain from it
-    "kernels.fp32_linear, W in tiles": (lambda w: (kernels.pack_fp32(w), w.shape[0]),
-                                        lambda x, tn: kernels.fp32_linear(x, *tn)),
 }
-if not kernels.available():
-    del LAYOUTS["kernels.fp32_linear, W in tiles"]
 if not ONEDNN:
     del LAYOUTS["oneDNN, W stored [in,out]"], LAYOUTS["oneDNN, W packed"]
 ONE_ROW_ONLY = ("torch.mv, W [out,in]", "embedding_bag, W stored [in,out]",  # calls that take one row only
