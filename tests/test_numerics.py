@@ -185,8 +185,8 @@ def engine_greedy(model: Llama, tok, prompts: list[list[int]]) -> list[list[int]
 
 
 def bf16_product_error() -> tuple[str, bool, float]:
-    """This process's bf16 road, whether it packed the weight, and the largest relative error of `linear` against
-    the fp64 sum of the same bf16 inputs."""
+    """This process's bf16 road, whether it keeps a copy of the weight (tiles or oneDNN's blocks), and the largest
+    relative error of `linear` against the fp64 sum of the same bf16 inputs."""
     g = torch.Generator().manual_seed(0)
     w = mm.linear_weight(96, 64)
     with torch.no_grad():
@@ -196,13 +196,14 @@ def bf16_product_error() -> tuple[str, bool, float]:
     with torch.inference_mode():
         out, ref = mm.linear(x, w), x.bfloat16().double() @ w.double().t()
     worst = float(((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).max())
-    return mm.bf16_road(), mm.packed(w) is not None, worst
+    return mm.bf16_road(), mm.packed(w) is not None or mm.tiled(w) is not None, worst
 
 
 def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
-    """oneDNN on AVX512_BF16, oneDNN widening to fp32 (a CPU without the instructions, ONEDNN_MAX_CPU_ISA), and
-    fp32's product on widened numbers (no bf16 oneDNN, AVX2 CPUs): each is x and w in bf16 summed in fp32, its
-    output rounded to bf16, so each is within one bf16 step (2^-8 relative) of that sum computed in fp64."""
+    """The compiled tiles on AVX512_BF16, oneDNN on AVX512_BF16 (the kernels off), oneDNN widening to fp32 (a CPU
+    without the instructions, ONEDNN_MAX_CPU_ISA), and fp32's product on widened numbers (no bf16 oneDNN, AVX2
+    CPUs): each is x and w in bf16 summed in fp32, its output rounded to bf16, so each is within one bf16 step
+    (2^-8 relative) of that sum computed in fp64."""
     import os
     import subprocess
     import sys
@@ -210,14 +211,14 @@ def test_bf16_products_are_the_reference_product_on_every_road(monkeypatch):
 
     script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
               "from test_numerics import bf16_product_error; print(*bf16_product_error())")
-    for isa in ("AVX512_CORE", "AVX2"):  # each its own process: oneDNN reads the cap once
-        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa)
-        road, onednn, worst = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+    for isa in ("AVX512_CORE_BF16", "AVX512_CORE", "AVX2"):  # each its own process: oneDNN reads the cap once
+        env = dict(os.environ, ONEDNN_MAX_CPU_ISA=isa, NANOSERVE_KERNELS="0")  # (no kernels: oneDNN's roads)
+        road, copied, worst = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                                              check=True).stdout.split()
-        assert float(worst) <= 2**-8, (isa, road, onednn)
-    road, onednn, worst = bf16_product_error()  # and this process's own road
-    assert (onednn or road == "widen") and worst <= 2**-8, road
-    monkeypatch.setattr(mm, "packed", lambda w: None)  # in this process too: no packed copy -> F.linear's road,
+        assert road != "tiles" and float(worst) <= 2**-8, (isa, road, copied)
+    road, copied, worst = bf16_product_error()  # and this process's own road (the tiles, on AVX512_BF16)
+    assert (copied or road == "widen") and worst <= 2**-8, road
+    monkeypatch.setattr(mm, "packed", lambda w: None)  # in this process too: no copy -> F.linear's road,
     g = torch.Generator().manual_seed(1)  # or where oneDNN takes no bf16, fp32's on the widened numbers
     w = torch.randn(32, 64, generator=g).bfloat16()
     x = torch.randn(3, 64, generator=g)

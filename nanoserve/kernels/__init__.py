@@ -18,8 +18,9 @@ is in the step. Whether they run is the caller's explicit choice: `model.ops` an
 them against what this machine has); the two roads agree to fp32 rounding. The same extension holds the
 product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
 `model.compiled`), which steps a model on blocks through all of these in one call, the product of a
-bf16 matrix where torch has no fast one (`bf16_linear`, `csrc/matmul_bf16.cpp`), and an fp32 matrix's
-product in one summation order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
+bf16 matrix, on AVX512_BF16's pair products (`bf16_tiles_linear`) or, where torch has no fast one, widened
+to fp32 (`bf16_linear`, both `csrc/matmul_bf16.cpp`), and an fp32 matrix's product; the tiled ones sum in
+one order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -245,6 +246,27 @@ def bf16_linear(x: Tensor, w: Tensor) -> Tensor:
     if has_torch_function((x, w)):
         return handle_torch_function(bf16_linear, (x, w), x, w)
     return _ext().bf16_linear(x, w)
+
+
+def bf16_tiles_here() -> bool:
+    """Whether `bf16_tiles_linear` runs here: the kernels built, on a CPU with AVX512_BF16."""
+    module = load()
+    return module is not None and module.prompt_attention_bf16_here()
+
+
+def pack_bf16(w: Tensor) -> Tensor:
+    """A bf16 matrix w (N, K) as the tiles `bf16_tiles_linear` reads: (ceil(N / 16), ceil(K / 2), 16, 2), the
+    weights of 16 consecutive outputs one contiguous stretch, each pair of inputs side by side."""
+    return _ext().pack_bf16(w)
+
+
+def bf16_tiles_linear(x: Tensor, tiles: Tensor, n_out: int) -> Tensor:
+    """x @ w.T for x (M, K) bf16 from w's tiles (`pack_bf16`) -> (M, n_out) bf16: each output an fp32 chain of
+    AVX512_BF16's pair products in input order, rounded to bf16 (csrc/matmul_bf16.cpp). The order never depends
+    on M, so a row gets the same bits alone as beside any other rows."""
+    if has_torch_function((x, tiles)):
+        return handle_torch_function(bf16_tiles_linear, (x, tiles), x, tiles, n_out)
+    return _ext().bf16_tiles_linear(x, tiles, n_out)
 
 
 def pack_fp32(w: Tensor) -> Tensor:

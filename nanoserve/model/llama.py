@@ -189,7 +189,8 @@ class Llama(nn.Module):
             for w in {id(w): w for w in [*self.matrices(), self.embed]}.values():
                 assert isinstance(w, nn.Parameter)
                 w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
-                w.__dict__.pop("_nanoserve_packed", None)  # a blocked copy of the old numbers: `pack` anew
+                w.__dict__.pop("_nanoserve_packed", None)  # a copy of the old numbers: `pack` anew
+                w.__dict__.pop("_nanoserve_tiles", None)
         for blk in self.layers:
             blk.kv_dtype = None if dtype == self.dtype else dtype
         return self
@@ -214,7 +215,8 @@ class Llama(nn.Module):
 
     def one_row_same_bits(self, compiled: bool) -> bool:
         """Whether a step of one row gives it the bits a step of many would, with no rows added: every product on
-        the fp32 tiles (`matmul.tiled`, the kernels on). Elsewhere a batch-invariant runner pads one row to more."""
+        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones). Elsewhere a
+        batch-invariant runner pads one row to more."""
         return compiled and all(isinstance(w, Tensor) and tiled(w) is not None for w in self.matrices())
 
     def matrices(self) -> list[Tensor | BlockWeight]:

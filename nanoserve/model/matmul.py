@@ -16,8 +16,10 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
 - two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
-- bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32, oneDNN's bf16 product for any row
-  count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
+- bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32; on CPUs with AVX512_BF16 (and no
+  AMX), with the compiled kernels, `kernels.bf16_tiles_linear` on the copy of w that `pack` lays out in tiles of
+  16 outputs and pairs of inputs (one order for any number of rows, as fp32's tiles); else oneDNN's bf16 product
+  for any row count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
   compiled kernel `kernels.bf16_linear`, which streams the bf16 matrix and widens it (in registers, or once per
   column panel for many rows), or without kernels x and w widened to fp32 and multiplied on fp32's roads above
   (torch's own bf16 product reads an [in, out] matrix far slower there). The output stays bf16, widened by
@@ -103,15 +105,21 @@ def _cpu_flags() -> set[str]:
 
 @functools.lru_cache(maxsize=1)
 def bf16_road() -> str:
-    """How a bf16 product runs on this CPU: oneDNN on bf16 dot-product instructions ("amx-bf16", "avx512-bf16"),
+    """How a bf16 product runs on this CPU: oneDNN on AMX's tile unit ("amx-bf16", which outruns any vector
+    code), the compiled kernel's tiles on AVX512_BF16's pair products ("tiles": one summation order for any row
+    count, so a lone row needs no padding), oneDNN on those instructions ("avx512-bf16", the kernels off),
     oneDNN widening bf16 to fp32 for fp32 FMAs ("avx512"), or, where torch's oneDNN takes no bf16 (AVX2 CPUs),
     x and w widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies
-    bf16 numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers
-    to a last bf16 digit, at different speeds."""
-    if not (ONEDNN and _bf16_onednn()):
+    bf16 numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to
+    a last bf16 digit, at different speeds."""
+    flags, onednn = _cpu_flags(), ONEDNN and _bf16_onednn()
+    if "amx_bf16" in flags and onednn:
+        return "amx-bf16"
+    if kernels.bf16_tiles_here():
+        return "tiles"
+    if not onednn:
         return "widen"
-    flags = _cpu_flags()
-    return "amx-bf16" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
 
 
 @functools.lru_cache(maxsize=1)
@@ -172,14 +180,16 @@ def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
 
 def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
     """Keep a copy of w beside it (an attribute of w) for `linear` to read: its tiles (`tiled`) where `TILES` and
-    the kernels are built, else oneDNN's blocked layout (`packed`, made for `rows` rows). False where there is
-    neither, or w is not an fp32 CPU matrix (a bf16 one: oneDNN's copy only). The copy costs w's bytes again, and
-    is ignored once w is written (its version moves on): it never serves stale weights."""
+    the kernels are built (a bf16 w: where `bf16_road` is "tiles"), else oneDNN's blocked layout (`packed`, made
+    for `rows` rows). False where there is neither. The copy costs w's bytes again, and is ignored once w is
+    written (its version moves on): it never serves stale weights."""
     if not (w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
         return False  # (an inference tensor keeps no version: a write to it could not be seen)
-    if TILES and w.dtype == torch.float32 and kernels.available():
+    if (TILES and w.dtype == torch.float32 and kernels.available()) or (w.dtype == torch.bfloat16 and
+                                                                         bf16_road() == "tiles"):
         with torch.inference_mode(False), torch.no_grad():
-            w._nanoserve_tiles = (w._version, kernels.pack_fp32(w.detach()))
+            tiles = kernels.pack_fp32(w.detach()) if w.dtype == torch.float32 else kernels.pack_bf16(w.detach())
+            w._nanoserve_tiles = (w._version, tiles)
         return True
     if not (ONEDNN and w.dtype in ONEDNN_DTYPES):
         return False
@@ -199,9 +209,9 @@ def packed(w: Tensor) -> Tensor | None:
 
 
 def tiled(w: Tensor) -> Tensor | None:
-    """w's tiles for `kernels.fp32_linear`, if it has a current copy."""
+    """w's tiles for `kernels.fp32_linear` (or, bf16, `kernels.bf16_tiles_linear`), if it has a current copy."""
     entry = getattr(w, "_nanoserve_tiles", None)
-    return entry[1] if entry is not None and entry[0] == w._version else None
+    return entry[1] if entry is not None and entry[0] == w._version and entry[1].dtype == w.dtype else None
 
 
 def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
@@ -306,6 +316,9 @@ def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> 
         xb = x.to(w.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
         if torch.is_grad_enabled() or x.device.type != "cpu":
             return F.linear(xb, w)
+        tiles = tiled(w)
+        if tiles is not None and kernels.resolve(compiled):
+            return kernels.bf16_tiles_linear(xb.reshape(-1, n_in), tiles, n_out).view(*x.shape[:-1], n_out)
         if packed(w) is not None:
             return onednn_linear(xb, w)
         if bf16_road() == "widen":  # each row's bits fixed on both: the kernel's sums, or fp32's roads'

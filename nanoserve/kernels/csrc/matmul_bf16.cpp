@@ -1,5 +1,6 @@
-// x @ w.T for a bf16 matrix stored [in, out], on a CPU whose torch has no bf16 product of its own worth the name
-// (AVX2: nanoserve/model/matmul.py's "widen" road).
+// x @ w.T for a bf16 matrix: on a CPU with AVX512_BF16, from a tiled copy on its pair products (the "tiles" road of
+// nanoserve/model/matmul.py, at the end of this file); first, stored [in, out], on a CPU whose torch has no bf16
+// product of its own worth the name (AVX2: the "widen" road).
 //
 // out[r, j] = the sum over i, in order, of x[r, i] * w[i, j]: x rounded to bf16 first, so each product is of two
 // 8-bit mantissas and exact in fp32, the running sum in fp32, the result rounded to bf16. Because the product is
@@ -16,8 +17,8 @@
 
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>  // (AVX512_BF16's intrinsics too, used under a target attribute)
 #endif
 
 namespace {
@@ -160,4 +161,139 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   });
   if (whole < N) columns(xp, M, K, wp, N, whole, op);
   return out;
+}
+
+// On a CPU with AVX512_BF16 (nanoserve/model/matmul.py's "tiles" road for bf16 matrices): w read from a copy in
+// tiles (`pack_bf16`), the weights of TILE consecutive outputs for K / 2 pairs of inputs, a pair's two weights
+// side by side, so that one 64-byte load holds a pair of inputs for 16 outputs. AVX512_BF16's vdpbf16ps adds a
+// pair of exact bf16 products into each fp32 lane: out[r, j] = the fp32 chain over the pairs, in order, of x's
+// and w's bf16 numbers, rounded to bf16. A row's chain never depends on which rows share the call or how many,
+// so batching cannot change its bits; the layout and the loops are matmul_fp32.cpp's AVX-512 ones, with twice
+// the products per instruction and half the bytes per weight.
+namespace {
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define NANOSERVE_TILES_BF16 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+constexpr int PAIR_MANY = 12;  // rows of x a register tile holds for many rows: 12 rows times 2 tiles
+constexpr int64_t PAIR_TASKS_PER_THREAD = 4;
+
+// Rows x[0..R) (P pairs apart) times tiles wt[0..T) (P * TILE pairs apart) into out (bf16, rows N apart). `next`:
+// tiles to ask memory for while these are computed on.
+template <int R, int T>
+NANOSERVE_TILES_BF16 void pair_micro(const uint32_t* x, int64_t P, const uint32_t* wt, int64_t N, uint16_t* out,
+                                     const uint32_t* next = nullptr) {
+  static_assert(R * T <= 24, "at most 24 sums");
+  __m512 s[R][T];
+#pragma GCC unroll 24
+  for (int k = 0; k < R * T; ++k) s[k / T][k % T] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh w[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; ++t) w[t] = (__m512bh)_mm512_loadu_si512(wt + t * P * TILE + p * TILE);
+    if (next != nullptr)
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t)
+        _mm_prefetch(reinterpret_cast<const char*>(next + t * P * TILE + p * TILE), _MM_HINT_T1);
+#pragma GCC unroll 24
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * P + p]));
+#pragma GCC unroll 4
+      for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbf16_ps(s[r][t], b, w[t]);
+    }
+  }
+#pragma GCC unroll 24
+  for (int k = 0; k < R * T; ++k)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k / T) * N + (k % T) * TILE),
+                        (__m256i)_mm512_cvtneps_pbh(s[k / T][k % T]));
+}
+
+template <int R, int T>
+NANOSERVE_TILES_BF16 void pair_tiles(const uint32_t* x, int64_t P, const uint32_t* wt, int64_t n, int64_t N,
+                                     uint16_t* out) {
+  int64_t t = 0;
+  for (; t + T <= n; t += T) pair_micro<R, T>(x, P, wt + t * P * TILE, N, out + t * TILE);
+  for (; t < n; ++t) pair_micro<R, 1>(x, P, wt + t * P * TILE, N, out + t * TILE);
+}
+
+// Up to PAIR_MANY - 1 rows times n tiles, at most T at a time.
+template <int T>
+NANOSERVE_TILES_BF16 void pair_rows(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n,
+                                    int64_t N, uint16_t* out) {
+  switch (M) {
+    case 11: pair_tiles<11, std::min(T, 2)>(x, P, wt, n, N, out); break;
+    case 10: pair_tiles<10, std::min(T, 2)>(x, P, wt, n, N, out); break;
+    case 9: pair_tiles<9, std::min(T, 2)>(x, P, wt, n, N, out); break;
+    case 8: pair_tiles<8, std::min(T, 3)>(x, P, wt, n, N, out); break;
+    case 7: pair_tiles<7, std::min(T, 3)>(x, P, wt, n, N, out); break;
+    case 6: pair_tiles<6, T>(x, P, wt, n, N, out); break;
+    case 5: pair_tiles<5, T>(x, P, wt, n, N, out); break;
+    case 4: pair_tiles<4, T>(x, P, wt, n, N, out); break;
+    case 3: pair_tiles<3, T>(x, P, wt, n, N, out); break;
+    case 2: pair_tiles<2, T>(x, P, wt, n, N, out); break;
+    case 1: pair_tiles<1, 4>(x, P, wt, n, N, out); break;
+    default: break;
+  }
+}
+
+// Every row times n tiles, two at a time: each group of PAIR_MANY rows, then the rest, reads the pair of tiles
+// from the cache; the first group asks for the next pair from memory as it goes.
+NANOSERVE_TILES_BF16 void pair_many(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n, int64_t N,
+                                    uint16_t* out) {
+  for (int64_t t = 0; t < n; t += 2) {
+    const uint32_t *two_tiles = wt + t * P * TILE, *next = t + 2 < n ? two_tiles + 2 * P * TILE : nullptr;
+    const bool two = t + 1 < n;
+    int64_t r = 0;
+    for (; r + PAIR_MANY <= M; r += PAIR_MANY) {
+      if (two) pair_micro<PAIR_MANY, 2>(x + r * P, P, two_tiles, N, out + r * N + t * TILE, r == 0 ? next : nullptr);
+      else pair_micro<PAIR_MANY, 1>(x + r * P, P, two_tiles, N, out + r * N + t * TILE);
+    }
+    pair_rows<2>(x + r * P, M - r, P, two_tiles, two ? 2 : 1, N, out + r * N + t * TILE);
+  }
+}
+
+NANOSERVE_TILES_BF16 void pair_task(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n, int64_t N,
+                                    uint16_t* out) {
+  if (M < PAIR_MANY) pair_rows<4>(x, M, P, wt, n, N, out);
+  else pair_many(x, M, P, wt, n, N, out);
+}
+#endif
+
+}  // namespace
+
+// w (N, K) bf16 -> its tiles (ceil(N / TILE), ceil(K / 2), TILE, 2) bf16: zero outputs past N, a zero input past K.
+torch::Tensor pack_bf16(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "pack_bf16: w (N, K) bf16");
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + TILE - 1) / TILE, P = (K + 1) / 2;
+  torch::Tensor padded = torch::zeros({tiles * TILE, 2 * P}, w.options());
+  padded.narrow(0, 0, N).narrow(1, 0, K).copy_(w);
+  return padded.view({tiles, TILE, P, 2}).transpose(1, 2).contiguous();
+}
+
+// x (M, K) bf16 times w's tiles -> (M, N) bf16 (the CPU must have AVX512_BF16: `prompt_attention_bf16_here`).
+torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N) {
+  TORCH_CHECK(prompt_attention_bf16_here(), "bf16_tiles_linear: this CPU has no AVX512_BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_tiles_linear: x (M, K) bf16");
+  const int64_t M = x.size(0), K = x.size(1), P = (K + 1) / 2;
+  TORCH_CHECK(tiles.dim() == 4 && tiles.scalar_type() == torch::kBFloat16 && tiles.is_contiguous() &&
+                  tiles.size(1) == P && tiles.size(2) == TILE && tiles.size(3) == 2 &&
+                  tiles.size(0) == (N + TILE - 1) / TILE,
+              "bf16_tiles_linear: tiles (ceil(N / 16), ceil(K / 2), 16, 2) from pack_bf16 for x's K inputs");
+  const int64_t nt = tiles.size(0), width = nt * TILE;
+  torch::Tensor xr = x.contiguous();
+  if (K % 2) xr = torch::constant_pad_nd(xr, {0, 1});  // an odd K: a zero input pairs the last one
+  torch::Tensor out = torch::empty({M, width}, x.options());
+  if (M == 0 || nt == 0) return out.narrow(1, 0, N).contiguous();
+  if (P == 0) return out.zero_().narrow(1, 0, N).contiguous();
+#if defined(__x86_64__) || defined(_M_X64)
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.data_ptr());
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(tiles.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t want = at::get_num_threads() * PAIR_TASKS_PER_THREAD;
+  const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
+  for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
+    const int64_t t0 = task * per;
+    pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, op + t0 * TILE);
+  });
+#endif
+  return width == N ? out : out.narrow(1, 0, N).contiguous();
 }

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prompt_attention_bf16", &prompt_attention_bf16, "a whole prompt's causal attention, bf16 products");
   m.def("prompt_attention_bf16_here", &prompt_attention_bf16_here, "whether this CPU has AVX512_BF16");
   m.def("bf16_linear", &bf16_linear, "x @ w.T for a bf16 matrix stored [in, out], fp32 sums, bf16 out");
+  m.def("pack_bf16", &pack_bf16, "a bf16 matrix (N, K) as tiles (N / 16, K / 2, 16, 2), for bf16_tiles_linear");
+  m.def("bf16_tiles_linear", &bf16_tiles_linear, "x @ w.T from w's bf16 tiles: pair products, fp32 chains, bf16 out");
   m.def("pack_fp32", &pack_fp32, "an fp32 matrix (N, K) as tiles (N / 16, K, 16), for fp32_linear");
   m.def("fp32_linear", &fp32_linear, "x @ w.T from w's tiles: sliced in-order sums, the same bits for any rows");
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");

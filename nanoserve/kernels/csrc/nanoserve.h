@@ -1,6 +1,6 @@
 // The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
 // attention), attention_bf16.cpp (a prompt's attention with bf16 products), matmul_bf16.cpp (a bf16 matrix's
-// product where torch has none fast), matmul_fp32.cpp (an fp32 matrix's, one order for any rows), quant.cpp
+// product, on AVX512_BF16 or widened to fp32), matmul_fp32.cpp (an fp32 matrix's, one order for any rows), quant.cpp
 // (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call) and module.cpp (the Python
 // bindings).
 #pragma once
@@ -51,6 +51,9 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 bool prompt_attention_bf16_here();
 // x @ w.T for a bf16 matrix stored [in, out] (matmul_bf16.cpp).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
+// x @ w.T for a bf16 matrix from its tiled copy, on AVX512_BF16's pair products (matmul_bf16.cpp).
+torch::Tensor pack_bf16(torch::Tensor w);
+torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
 // x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).
 torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
