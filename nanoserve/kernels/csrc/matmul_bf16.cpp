@@ -215,24 +215,14 @@ NANOSERVE_TILES_BF16 void pair_tiles(const uint32_t* x, int64_t P, const uint32_
   for (; t < n; ++t) pair_micro<R, 1>(x, P, wt + t * P * TILE, N, out + t * TILE);
 }
 
-// Up to PAIR_MANY - 1 rows times n tiles, at most T at a time.
+// Up to PAIR_MANY - 1 rows times n tiles, at most T at a time and 24 sums (one row: four).
 template <int T>
 NANOSERVE_TILES_BF16 void pair_rows(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n,
                                     int64_t N, uint16_t* out) {
-  switch (M) {
-    case 11: pair_tiles<11, std::min(T, 2)>(x, P, wt, n, N, out); break;
-    case 10: pair_tiles<10, std::min(T, 2)>(x, P, wt, n, N, out); break;
-    case 9: pair_tiles<9, std::min(T, 2)>(x, P, wt, n, N, out); break;
-    case 8: pair_tiles<8, std::min(T, 3)>(x, P, wt, n, N, out); break;
-    case 7: pair_tiles<7, std::min(T, 3)>(x, P, wt, n, N, out); break;
-    case 6: pair_tiles<6, T>(x, P, wt, n, N, out); break;
-    case 5: pair_tiles<5, T>(x, P, wt, n, N, out); break;
-    case 4: pair_tiles<4, T>(x, P, wt, n, N, out); break;
-    case 3: pair_tiles<3, T>(x, P, wt, n, N, out); break;
-    case 2: pair_tiles<2, T>(x, P, wt, n, N, out); break;
-    case 1: pair_tiles<1, 4>(x, P, wt, n, N, out); break;
-    default: break;
-  }
+  with_rows<PAIR_MANY - 1>(M, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    pair_tiles<R, R == 1 ? 4 : std::min(T, 24 / R)>(x, P, wt, n, N, out);
+  });
 }
 
 // Every row times n tiles, two at a time: each group of PAIR_MANY rows, then the rest, reads the pair of tiles

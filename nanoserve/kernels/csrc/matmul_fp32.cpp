@@ -151,24 +151,15 @@ void row_tiles16(const float* x, int64_t K, const float* wt, int64_t n, int64_t 
 
 constexpr int MANY = 12;  // rows of x a register tile holds for many rows: 12 rows times 2 tiles
 
-// Up to MANY - 1 rows times n tiles, at most T at a time (one row: the AVX2 loop's four streams, which keep the
-// memory busy).
+// Up to MANY - 1 rows times n tiles, at most T at a time and 24 sums (one row: the AVX2 loop's four streams, which
+// keep the memory busy).
 template <int T>
 void rows16(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {
-  switch (M) {
-    case 11: row_tiles16<11, std::min(T, 2)>(x, K, wt, n, N, out); break;
-    case 10: row_tiles16<10, std::min(T, 2)>(x, K, wt, n, N, out); break;
-    case 9: row_tiles16<9, std::min(T, 2)>(x, K, wt, n, N, out); break;
-    case 8: row_tiles16<8, std::min(T, 3)>(x, K, wt, n, N, out); break;
-    case 7: row_tiles16<7, std::min(T, 3)>(x, K, wt, n, N, out); break;
-    case 6: row_tiles16<6, T>(x, K, wt, n, N, out); break;
-    case 5: row_tiles16<5, T>(x, K, wt, n, N, out); break;
-    case 4: row_tiles16<4, T>(x, K, wt, n, N, out); break;
-    case 3: row_tiles16<3, T>(x, K, wt, n, N, out); break;
-    case 2: row_tiles16<2, T>(x, K, wt, n, N, out); break;
-    case 1: row_tiles<1, 4>(x, K, wt, n, N, out); break;
-    default: break;
-  }
+  with_rows<MANY - 1>(M, [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (R == 1) row_tiles<1, 4>(x, K, wt, n, N, out);
+    else row_tiles16<R, std::min(T, 24 / R)>(x, K, wt, n, N, out);
+  });
 }
 
 void few_rows(const float* x, int64_t M, int64_t K, const float* wt, int64_t n, int64_t N, float* out) {

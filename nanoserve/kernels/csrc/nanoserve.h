@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // bf16 held as uint16_t (a float's top half): widened to float exactly, and a float narrowed to the nearest bf16
@@ -108,4 +109,14 @@ void for_each_task(int64_t n, const Work& work) {
     Scratch scratch;
     for (int64_t task = next++; task < n; task = next++) work(task, scratch);
   });
+}
+
+// f(std::integral_constant<int, m>{}) for a row count m in 1..MAX known only at run time: a register tile's rows are
+// a template argument (matmul_fp32.cpp's and matmul_bf16.cpp's tiles).
+template <int MAX, typename F>
+void with_rows(int64_t m, const F& f) {
+  if constexpr (MAX > 0) {
+    if (m == MAX) f(std::integral_constant<int, MAX>{});
+    else with_rows<MAX - 1>(m, f);
+  }
 }
