@@ -114,7 +114,7 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
         return None
     with torch.inference_mode(False):  # a weight `pack` can version (and packed, as nanoserve's are)
         a, w = torch.randn(n, n), torch.randn(n, n)
-        pack(w, rows=n)
+        pack(w, rows=n, tiles=False)
     with torch.inference_mode():
         return 2 * n**3 / _median_seconds(lambda: onednn_linear(a, w), repeats)
 

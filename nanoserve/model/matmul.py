@@ -112,7 +112,7 @@ def bf16_road() -> str:
     x and w widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies
     bf16 numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to
     a last bf16 digit, at different speeds."""
-    flags, onednn = _cpu_flags(), ONEDNN and _bf16_onednn()
+    flags, onednn = _cpu_flags(), ONEDNN and onednn_takes_bf16()
     if "amx_bf16" in flags and onednn:
         return "amx-bf16"
     if kernels.bf16_tiles_here():
@@ -123,7 +123,7 @@ def bf16_road() -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def _bf16_onednn() -> bool:
+def onednn_takes_bf16() -> bool:
     """Whether torch's oneDNN blocks a bf16 weight here (what `pack` needs): asked of it, once."""
     try:
         with torch.inference_mode(False), torch.no_grad():
@@ -178,18 +178,19 @@ def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
     return partial.sum(0).view(*x.shape[:-1], n_out)
 
 
-def pack(w: Tensor, rows: int = PACK_ROWS) -> bool:
+def pack(w: Tensor, rows: int = PACK_ROWS, tiles: bool = True) -> bool:
     """Keep a copy of w beside it (an attribute of w) for `linear` to read: its tiles (`tiled`) where `TILES` and
-    the kernels are built (a bf16 w: where `bf16_road` is "tiles"), else oneDNN's blocked layout (`packed`, made
-    for `rows` rows). False where there is neither. The copy costs w's bytes again, and is ignored once w is
-    written (its version moves on): it never serves stale weights."""
+    the kernels are built (a bf16 w: where `bf16_road` is "tiles"), else, or with `tiles` False (`bench layout`
+    compares the two), oneDNN's blocked layout (`packed`, made for `rows` rows). False where there is neither.
+    The copy costs w's bytes again, and is ignored once w is written (its version moves on): it never serves
+    stale weights."""
     if not (w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
         return False  # (an inference tensor keeps no version: a write to it could not be seen)
-    if (TILES and w.dtype == torch.float32 and kernels.available()) or (w.dtype == torch.bfloat16 and
-                                                                         bf16_road() == "tiles"):
+    if tiles and ((TILES and w.dtype == torch.float32 and kernels.available()) or
+                  (w.dtype == torch.bfloat16 and bf16_road() == "tiles")):
         with torch.inference_mode(False), torch.no_grad():
-            tiles = kernels.pack_fp32(w.detach()) if w.dtype == torch.float32 else kernels.pack_bf16(w.detach())
-            w._nanoserve_tiles = (w._version, tiles)
+            copy = kernels.pack_fp32(w.detach()) if w.dtype == torch.float32 else kernels.pack_bf16(w.detach())
+            w._nanoserve_tiles = (w._version, copy)
         return True
     if not (ONEDNN and w.dtype in ONEDNN_DTYPES):
         return False

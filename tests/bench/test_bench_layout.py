@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.bench.layout import LAYOUTS, ONE_ROW_ONLY, layout_groups, layout_rates
+from nanoserve.bench.layout import BF16_LAYOUTS, LAYOUTS, ONE_ROW_ONLY, bf16_layouts, layout_groups, layout_rates
 from nanoserve.model import Llama
 
 
@@ -41,3 +41,23 @@ def test_every_layout_computes_the_same_product():
             torch.testing.assert_close(call(x[:1], prepare(w)).reshape(1, 96), want[:1], atol=1e-5, rtol=1e-5, msg=name)
             if name not in ONE_ROW_ONLY:
                 torch.testing.assert_close(call(x, prepare(w)), want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_the_bf16_roads_compute_the_bf16_product_and_are_timed_on_their_bytes(tiny_cfg):
+    """Each bf16 candidate this machine has (oneDNN's, the tiles on AVX512_BF16) is x and W in bf16 summed in fp32,
+    rounded to bf16: within 2^-8 of the fp64 sum of the same numbers, plus fp32's chain error; timed on W's bf16
+    bytes, half fp32's."""
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 64, generator=g), torch.randn(3, 64, generator=g)
+    want = x.bfloat16().double() @ w.bfloat16().double().T
+    size = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    with torch.inference_mode():
+        for name in bf16_layouts():
+            prepare, call = BF16_LAYOUTS[name]
+            got = call(x, prepare(w))
+            assert got.dtype == torch.bfloat16
+            assert bool(((got.double() - want).abs() <= 2**-8 * want.abs() + 64 * 2**-24 * size).all()), name
+    rows = layout_rates(tiny_cfg, repeats=1, groups=["o"], rows=3, bf16=True)
+    fp32 = layout_rates(tiny_cfg, repeats=1, groups=["o"], rows=3, candidates=["F.linear, W stored [in,out]"])
+    assert [r["candidate"] for r in rows] == bf16_layouts()
+    assert all(r["mbytes"] == pytest.approx(fp32[0]["mbytes"] / 2) and r["gflop_s"] > 0 for r in rows)
