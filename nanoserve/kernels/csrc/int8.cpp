@@ -57,12 +57,6 @@ constexpr int64_t Q8_0_BYTES = 34;  // fp16 d, 32 signed bytes
 constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lane b % 16)
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
-#ifndef INT8_PREFETCH_BYTES
-#define INT8_PREFETCH_BYTES 16384
-#endif
-// How far ahead of the quad in use its row's bytes are asked for, into L2 (_MM_HINT_T1): the integer products eat
-// bytes faster than quant.cpp's, so more of them must be in flight than the L1's few miss buffers hold.
-constexpr int64_t PREFETCH = INT8_PREFETCH_BYTES;
 
 enum class Fmt { Q4_1, Q8_0 };
 
@@ -179,9 +173,14 @@ using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, fl
 
 #ifdef NANOSERVE_INT8_X86
 // The x86 roads: this file's second half, once per road, each with its instructions enabled.
+// Each road asks for a row's bytes PREFETCH ahead of the quad in use, into the cache PREFETCH_HINT names: the
+// integer products eat bytes faster than quant.cpp's, so more must be in flight than the hardware's prefetchers
+// keep. The AVX512-VNNI road streams fastest asking 8 KB ahead into L1, the AVX2 roads 16 KB ahead into L2.
 #define NANOSERVE_INT8_ROAD 1
 #define INT8_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 namespace avx512_vnni {
+constexpr int64_t PREFETCH = 8192;
+constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T0;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -189,6 +188,8 @@ namespace avx512_vnni {
 #define NANOSERVE_INT8_ROAD 2
 #define INT8_TARGET "avx2,fma,f16c,avxvnni"
 namespace avx_vnni {
+constexpr int64_t PREFETCH = 16384;
+constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T1;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -196,6 +197,8 @@ namespace avx_vnni {
 #define NANOSERVE_INT8_ROAD 3
 #define INT8_TARGET "avx2,fma,f16c"
 namespace avx2 {
+constexpr int64_t PREFETCH = 16384;
+constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T1;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -670,7 +673,7 @@ ROAD_FN void step(const uint8_t* const* row, int64_t t, int64_t n, const Acts& a
   for (int j = 0; j < 4; ++j) {
     q[j] = row[j] + t * 4 * block_bytes<F>();
     for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * block_bytes<F>(); ahead += 64)  // every line of the quad
-      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), PREFETCH_HINT);
   }
   __m512i head, lo[4], hi[4];
   load_quads<F>(q, n, head, lo, hi);
@@ -747,7 +750,7 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
   const __mmask16 real = FULL ? 0xffff : static_cast<__mmask16>(0x1111u * ((1u << n) - 1));
   const int64_t reg = FULL ? 64 : 16 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
-    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), PREFETCH_HINT);
   __m512i w[8];
 #pragma GCC unroll 8
   for (int k = 0; k < REGS; ++k)
@@ -981,8 +984,8 @@ template <Fmt F, int R, int NQ>
 ROAD_FN void group(const uint8_t* blk, int64_t n, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
   constexpr int64_t BYTES = block_bytes<F>();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T1);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), PREFETCH_HINT);
+  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), PREFETCH_HINT);
 #pragma GCC unroll 2
   for (int h = 0; h < (NQ + 1) / 2; ++h) {  // blocks 8h .. 8h + 7: quads 2h, 2h + 1
     const uint8_t* hb = blk + 8 * h * BYTES;
@@ -1073,7 +1076,7 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
   constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
   const int64_t reg = FULL ? 32 : 4 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + n * block_bytes<F>(); ahead += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), PREFETCH_HINT);
   const __m256i live = FULL ? _mm256_set1_epi32(-1)
                             : _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i w[8];
