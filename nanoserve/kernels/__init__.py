@@ -300,7 +300,7 @@ def cpp_source(name: str, file: str = "kernels.cpp") -> str:
     if start is None:
         raise KeyError(f"no function {name!r} in {path.name}")
     end = lines.index("}", start)
-    while start > 0 and lines[start - 1].startswith("//"):
+    while start > 0 and lines[start - 1].startswith(("//", "template <")):
         start -= 1
     return "\n".join(lines[start: end + 1])
 

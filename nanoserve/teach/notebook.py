@@ -11,14 +11,15 @@ def show_source(obj: object) -> None:
 
 
 def show_cpp(name: str, source: str = "kernels") -> None:
-    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`), with source="quant"
-    of the block product's (`kernels.quant.cpp_source`), with source="step" of the one-call model step's."""
+    """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`): from csrc/kernels.cpp, or
+    the file `source` names (source="step": step.cpp, "matmul_bf16": matmul_bf16.cpp); source="quant", the
+    block product's (`kernels.quant.cpp_source`)."""
     from ..kernels import cpp_source, quant
 
     if source == "quant":
         _show(quant.cpp_source(name), "cpp")
     else:
-        _show(cpp_source(name, "step.cpp" if source == "step" else "kernels.cpp"), "cpp")
+        _show(cpp_source(name, f"{source}.cpp"), "cpp")
 
 
 def _show(src: str, language: str) -> None:

@@ -399,6 +399,9 @@ def test_cpp_source_returns_one_whole_function_with_its_comment():
         kernels.cpp_source("nope")
     step = kernels.cpp_source("BlockModel::step", "step.cpp")
     assert step.startswith("// One step:") and "torch::Tensor BlockModel::step(" in step and step.endswith("\n}")
+    tile = kernels.cpp_source("pair_micro", "matmul_bf16.cpp")  # a template: its template line, then its comment
+    assert tile.startswith("// Rows x[0..R)")
+    assert "\ntemplate <int R, int T>\nNANOSERVE_TILES_BF16 void pair_micro(" in tile
 
 
 def test_a_failed_build_is_reported_by_the_compilers_error_line(monkeypatch):
