@@ -321,7 +321,7 @@ class LLMEngine:
                 continue
             if req.ngrams is None:
                 req.ngrams = NgramIndex(spec.prompt_lookup_max, spec.prompt_lookup_min)
-            req.ngrams.extend(req.all_token_ids[len(req.ngrams.tokens):])
+            req.ngrams.extend(req.token_ids(len(req.ngrams.tokens)))
             k = min(spec.num_speculative_tokens, req.max_new_tokens - req.num_output_tokens - 1,
                     cfg.max_position_embeddings - req.num_tokens)
             proposal = req.ngrams.propose(k)

@@ -92,6 +92,14 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, stop: int | None = None) -> list[int]:
+        """all_token_ids[start:stop] without joining the two lists first: each decode step asks for its last
+        token, and joining copies the whole sequence."""
+        p, stop = len(self.prompt_token_ids), self.num_tokens if stop is None else stop
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:stop] + self.output_token_ids[:max(0, stop - p)]
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

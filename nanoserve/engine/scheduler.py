@@ -177,7 +177,7 @@ class Scheduler:
 
     def _append(self, req: Request, n: int, out: SchedulerOutput, drafts: int = 0) -> None:
         start = req.num_computed_tokens
-        tokens = req.all_token_ids[start:start + n] + req.spec_token_ids[:drafts]
+        tokens = req.token_ids(start, start + n) + req.spec_token_ids[:drafts]
         _, copies = self.manager.append_slots(req.table, tokens)
         out.copies.extend(copies)
         completes = start + n == req.num_tokens

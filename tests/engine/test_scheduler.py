@@ -141,3 +141,14 @@ def test_finish_frees_the_blocks_from_either_queue():
 def test_bad_knobs_are_refused(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         SchedulerConfig(**kw)
+
+
+def test_a_requests_token_slice_is_the_slice_of_all_its_tokens():
+    """What a step asks of a request (`token_ids`, no joined copy) is all_token_ids' slice, across the boundary."""
+    r = request(0, prompt_len=5)
+    r.output_token_ids += [100, 101, 102]
+    everything = r.all_token_ids
+    assert everything == list(range(1, 6)) + [100, 101, 102] and r.token_ids(0) == everything
+    for start in range(len(everything) + 1):
+        for stop in range(start, len(everything) + 1):
+            assert r.token_ids(start, stop) == everything[start:stop], (start, stop)
