@@ -292,11 +292,12 @@ def _ext() -> ModuleType:
 
 
 def cpp_source(name: str, file: str = "kernels.cpp") -> str:
-    """One C++ function of a file of `csrc/` (`SOURCE` unless told), with the comment above it: what the
-    notebooks show of the kernels."""
+    """One C++ function of a file of `csrc/` (`SOURCE` unless told; its first definition where a file has one per
+    road), with its template line and the comment above it: what the notebooks show of the kernels."""
     path = CSRC / file
     lines = path.read_text().splitlines()
-    start = next((i for i, ln in enumerate(lines) if not ln.startswith((" ", "//", "}")) and f" {name}(" in ln), None)
+    start = next((i for i, ln in enumerate(lines) if not ln.startswith((" ", "//", "}", "#")) and f" {name}(" in ln),
+                 None)
     if start is None:
         raise KeyError(f"no function {name!r} in {path.name}")
     end = lines.index("}", start)

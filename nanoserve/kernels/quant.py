@@ -115,17 +115,3 @@ def describe() -> str:
         return f"dequantized copies ({unavailable_reason()})"
     name, flags = build_flags()
     return f"compiled block product in {name} ({' '.join(flags)})"
-
-
-def cpp_source(name: str) -> str:
-    """One function of `SOURCE` (its first definition: the AVX-512 one where there are three), with its
-    template line and the comment above it: what the notebooks show of the kernel."""
-    lines = SOURCE.read_text().splitlines()
-    start = next((i for i, ln in enumerate(lines) if not ln.startswith((" ", "//", "}", "#")) and f" {name}(" in ln),
-                 None)
-    if start is None:
-        raise KeyError(f"no function {name!r} in {SOURCE.name}")
-    end = lines.index("}", start)
-    while start > 0 and lines[start - 1].startswith(("//", "template")):
-        start -= 1
-    return "\n".join(lines[start: end + 1])

@@ -12,14 +12,10 @@ def show_source(obj: object) -> None:
 
 def show_cpp(name: str, source: str = "kernels") -> None:
     """Print one function of the compiled kernels' C++ source (`kernels.cpp_source`): from csrc/kernels.cpp, or
-    the file `source` names (source="step": step.cpp, "matmul_bf16": matmul_bf16.cpp); source="quant", the
-    block product's (`kernels.quant.cpp_source`)."""
-    from ..kernels import cpp_source, quant
+    the file `source` names ("quant": the block product's quant.cpp, "step": step.cpp, "matmul_bf16": ...)."""
+    from ..kernels import cpp_source
 
-    if source == "quant":
-        _show(quant.cpp_source(name), "cpp")
-    else:
-        _show(cpp_source(name, f"{source}.cpp"), "cpp")
+    _show(cpp_source(name, f"{source}.cpp"), "cpp")
 
 
 def _show(src: str, language: str) -> None:

@@ -402,6 +402,8 @@ def test_cpp_source_returns_one_whole_function_with_its_comment():
     tile = kernels.cpp_source("pair_micro", "matmul_bf16.cpp")  # a template: its template line, then its comment
     assert tile.startswith("// Rows x[0..R)")
     assert "\ntemplate <int R, int T>\nNANOSERVE_TILES_BF16 void pair_micro(" in tile
+    row = kernels.cpp_source("row_tile", "quant.cpp")  # a file with one definition per road: the first
+    assert "\ntemplate <Fmt F, int G, int R>\nvoid row_tile(" in row and row.count(" row_tile(") == 1
 
 
 def test_a_failed_build_is_reported_by_the_compilers_error_line(monkeypatch):
