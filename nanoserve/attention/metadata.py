@@ -11,6 +11,7 @@ prefill or decode phase, only tokens computed and tokens to compute (vLLM V1's v
     block_tables    (R, W)  its physical blocks, padded with 0 (never read past seq_lens)
     slot_mapping    (n,)    the pool slot each real token's k/v is written to
     positions       (N,)    each token's position in its own sequence (RoPE reads it)
+    last_rows       (R,)    the row of each request's last token (where its next-token logits are read)
 
 A query at position p attends over its request's keys 0..p. N may be more than the n real tokens
 (`num_rows`: the model runner pads a step to the row count its products want); the rows past n are
@@ -50,6 +51,7 @@ class AttentionMetadata:
     block_tables: Tensor  # (R, W) int64
     slot_mapping: Tensor  # (n,) int64, the real tokens only
     positions: Tensor  # (N,) int64, padding rows at position 0
+    last_rows: Tensor  # (R,) int64, the row of each request's last token: where its next-token logits are read
     query_lens: tuple[int, ...]  # the same numbers on the host, for loops that need them
     seq_lens_host: tuple[int, ...]
     block_size: int
@@ -67,11 +69,6 @@ class AttentionMetadata:
     def context_lens(self) -> tuple[int, ...]:
         """Tokens each request had cached before this step."""
         return tuple(s - q for s, q in zip(self.seq_lens_host, self.query_lens))
-
-    @property
-    def last_rows(self) -> Tensor:
-        """(R,) the row of each request's last token: where its next-token logits are read."""
-        return self.query_start_loc[1:] - 1
 
 
 def prepare(chunks: Sequence[Chunk], block_size: int, num_rows: int | None = None) -> tuple[Tensor, AttentionMetadata]:
@@ -109,11 +106,12 @@ def prepare(chunks: Sequence[Chunk], block_size: int, num_rows: int | None = Non
     tables = [b for c in chunks for b in list(c.block_table[:width]) + [0] * (width - min(width, len(c.block_table)))]
     # one tensor made from one list (through an array of int64: a list's own road converts number by number),
     # cut into the fields as contiguous views: a step's host work is paid every step
-    flat = torch.frombuffer(array("q", ids + [0] * pad + positions + [0] * pad + starts + seq_lens + slots + tables),
-                            dtype=torch.int64)
-    ids_t, positions_t, starts_t, lens_t, slots_t, tables_t = flat.split([N, N, R + 1, R, n_real, R * width])
+    last = [s - 1 for s in starts[1:]]
+    flat = torch.frombuffer(array("q", ids + [0] * pad + positions + [0] * pad + starts + seq_lens + slots + last
+                                  + tables), dtype=torch.int64)
+    ids_t, positions_t, starts_t, lens_t, slots_t, last_t, tables_t = flat.split([N, N, R + 1, R, n_real, R, R * width])
     md = AttentionMetadata(
         query_start_loc=starts_t, seq_lens=lens_t, block_tables=tables_t.view(R, width), slot_mapping=slots_t,
-        positions=positions_t, query_lens=tuple(len(c.token_ids) for c in chunks), seq_lens_host=tuple(seq_lens),
-        block_size=block_size)
+        positions=positions_t, last_rows=last_t, query_lens=tuple(len(c.token_ids) for c in chunks),
+        seq_lens_host=tuple(seq_lens), block_size=block_size)
     return ids_t, md

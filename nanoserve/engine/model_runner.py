@@ -11,6 +11,7 @@ decoding's verification). It decides nothing about who runs: that is the caller'
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import Chunk, PagedAttention, choose, prepare
+from ..attention import AttentionMetadata, Chunk, PagedAttention, choose, prepare
 from ..kernels import use_kernels
 from ..kv.storage import KVStorage
 from ..model import Llama
@@ -67,7 +68,7 @@ class ModelRunner:
         n = sum(len(c.token_ids) for c in chunks)
         pad_one = self.batch_invariant and not self.one_row_same_bits
         ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if pad_one else 1)))
-        rows = md.last_rows if num_logits is None else logit_rows(md.query_start_loc, num_logits)
+        rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
         if self.block_step is not None and applies(md):
             return self.block_step(ids, md, self.storage, rows)
@@ -81,9 +82,11 @@ class ModelRunner:
         return self.model.logits(h, self.kernels)
 
 
-def logit_rows(query_start_loc: Tensor, num_logits: Sequence[int]) -> Tensor:
+def logit_rows(md: AttentionMetadata, num_logits: Sequence[int]) -> Tensor:
     """The step's rows at which logits are read: the last num_logits[r] rows of each request r, in order."""
-    ends = query_start_loc[1:].tolist()
-    if len(ends) != len(num_logits):
-        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(ends)} requests")
+    if len(num_logits) != md.num_requests:
+        raise ValueError(f"num_logits has {len(num_logits)} entries for {md.num_requests} requests")
+    if all(m == 1 for m in num_logits):  # each request's last row, which prepare has laid out already
+        return md.last_rows
+    ends = itertools.accumulate(md.query_lens)
     return torch.tensor([e - m + i for e, m in zip(ends, num_logits) for i in range(m)], dtype=torch.long)

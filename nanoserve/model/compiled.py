@@ -59,17 +59,22 @@ class BlockStep:
             cfg.rms_norm_eps)
         return cls(model, compiled)
 
-    @torch.inference_mode()
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,
                  split_keys: int | None = None) -> Tensor:
         """Logits (R, V) at `rows` of the step (default each request's last token), as the Python forward gives
-        them; the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are computed."""
+        them; the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are computed.
+        No inference_mode wrapper: the compiled call records no autograd anyway, and the wrapper's cost would
+        show in a decode step."""
         n = md.num_tokens
         rows = md.last_rows if rows is None else rows
         empty = rows.numel() == 0  # nothing to sample (a prompt's middle chunk): the k/v are still written
         cos, sin = self.model.rope_tables(max(md.seq_lens_host) - 1)  # (P, D) each, every position of the step
+        if ids.numel() > n:  # padding rows: the compiled step computes real tokens only
+            ids, positions = ids[:n], md.positions[:n]
+        else:
+            positions = md.positions
         logits = self.compiled.step(
-            ids[:n], md.positions[:n], cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
+            ids, positions, cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
             md.seq_lens, md.block_tables, md.last_rows[:1] if empty else rows, self.model.cfg.head_dim ** -0.5,
             kernels.SPLIT_KEYS if split_keys is None else split_keys)
         return logits[:0] if empty else logits

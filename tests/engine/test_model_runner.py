@@ -76,7 +76,11 @@ def test_num_logits_reads_the_last_rows_of_each_request(tiny_model, road):
         every_b = tiny_model(torch.tensor([b]))[0]
         torch.testing.assert_close(logits[:3], every_b[-3:], atol=2e-5, rtol=0)
         torch.testing.assert_close(logits[3], tiny_model(torch.tensor([c]), last_only=True)[0], atol=2e-5, rtol=0)
-    assert logit_rows(torch.tensor([0, 7, 11, 16]), [0, 3, 1]).tolist() == [8, 9, 10, 15]
+    _, md = prepare([Chunk(ids_of(n, 9), 0, list(range(4))) for n in (7, 4, 5)], 4)
+    assert logit_rows(md, [0, 3, 1]).tolist() == [8, 9, 10, 15]
+    assert logit_rows(md, [1, 1, 1]).tolist() == md.last_rows.tolist() == [6, 10, 15]
+    with pytest.raises(ValueError, match="num_logits has 2 entries for 3 requests"):
+        logit_rows(md, [1, 1])
     assert runner.execute([Chunk([1], 7, tables[0].blocks)], manager.append_slots(tables[0], [1])[1],
                           num_logits=[0]).shape == (0, tiny_model.cfg.vocab_size)
 

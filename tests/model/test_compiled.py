@@ -163,3 +163,12 @@ def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir,
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n"), [1] * 40]
     for f, s in run_both(manager, fast, slow, prompts, steps=4):
         assert torch.equal(f, s)
+    # a long chunk after a cached context (its step's buffers too large to keep), then a decode step on the kept ones
+    t = manager.new_table()
+    manager.append_slots(t, [7] * 8)
+    for r in (fast, slow):
+        r.execute([Chunk([7] * 8, 0, t.blocks)])
+    for new in ([11] * 300, [12]):
+        start = t.num_tokens
+        manager.append_slots(t, new)
+        assert torch.equal(fast.execute([Chunk(new, start, t.blocks)]), slow.execute([Chunk(new, start, t.blocks)]))

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -96,6 +97,9 @@ class BlockModel {
   std::vector<Matrix> mats_;         // wqkv, wo, w_gate_up, w_down of each layer, then the head
   int64_t L_, H_, K_, C_, I_;
   float eps_;
+  static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
+  torch::Tensor scratch_ = torch::empty({0});
+  std::mutex scratch_mutex_;
 };
 
 // Tasks 0..n-1 handed out one at a time to whichever of torch's threads is free, each thread calling

@@ -127,16 +127,24 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 
-  // the step's numbers, each buffer reused by every layer
+  // the step's numbers, each buffer reused by every layer, in one block kept between steps: a decode step's
+  // arithmetic is small enough that a dozen fresh allocations would be a visible part of it
   const auto f32 = cos_table.options();
-  torch::Tensor stream = torch::empty({n, C}, f32), stream2 = torch::empty({n, C}, f32), h = torch::empty({n, C}, f32);
-  torch::Tensor qkv = torch::empty({n, HT, D}, f32), q = torch::empty({n, H, D}, f32);
-  torch::Tensor o = torch::empty({n, C}, f32), gu = torch::empty({n, 2 * I}, f32), act = torch::empty({n, I}, f32);
-  torch::Tensor cs = torch::empty({2, n, D}, f32), attn = torch::empty({n, H * D}, f32);
-  float *xs = stream.data_ptr<float>(), *x2 = stream2.data_ptr<float>(), *hp = h.data_ptr<float>();
-  float *qkvp = qkv.data_ptr<float>(), *qp = q.data_ptr<float>(), *op = o.data_ptr<float>();
-  float *gup = gu.data_ptr<float>(), *ap = act.data_ptr<float>(), *cp = cs.data_ptr<float>(), *sp = cp + n * D;
-  float* attnp = attn.data_ptr<float>();
+  std::lock_guard<std::mutex> turn(scratch_mutex_);  // steps of one model take turns on its scratch
+  int64_t need = 0;
+  auto carve = [&](int64_t count) { const int64_t at = need; need += (count + 15) / 16 * 16; return at; };  // 64 B
+  const int64_t at_xs = carve(n * C), at_x2 = carve(n * C), at_h = carve(n * C), at_qkv = carve(n * HT * D),
+                at_q = carve(n * H * D), at_o = carve(n * C), at_gu = carve(n * 2 * I), at_act = carve(n * I),
+                at_cs = carve(2 * n * D), at_attn = carve(n * H * D), at_rows = carve(R * C);
+  torch::Tensor scratch = scratch_;
+  if (scratch.numel() < need) {
+    scratch = torch::empty({need}, f32);  // kept unless it is a long prompt chunk's
+    if (need * static_cast<int64_t>(sizeof(float)) <= KEPT_SCRATCH_BYTES) scratch_ = scratch;
+  }
+  float* const base = scratch.data_ptr<float>();
+  float *xs = base + at_xs, *x2 = base + at_x2, *hp = base + at_h, *qkvp = base + at_qkv, *qp = base + at_q;
+  float *op = base + at_o, *gup = base + at_gu, *ap = base + at_act, *cp = base + at_cs, *sp = cp + n * D;
+  float *attnp = base + at_attn, *rowsp = base + at_rows;
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
@@ -172,8 +180,8 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
   }
   add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
-  torch::Tensor rows = torch::empty({R, C}, f32), logits = torch::empty({R, mats_[4 * L_].rows}, f32);
-  for (int64_t r = 0; r < R; ++r) std::memcpy(rows.data_ptr<float>() + r * C, hp + last[r] * C, C * sizeof(float));
-  product(mats_[4 * L_], rows.data_ptr<float>(), R, logits.data_ptr<float>());
+  torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
+  for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
+  product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>());
   return logits;
 }
