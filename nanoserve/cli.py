@@ -79,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bfloat16: the folder's matrices and the K/V cache in bf16 (faster, not exact)")
     g.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
                    help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+                   help="bfloat16: the K/V cache in bf16 whatever the weights (half a long context's bytes; not exact)")
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="prompt-lookup speculative decoding with this many draft tokens (greedy only; 0: off)")
     fetch.add_arguments(sub.add_parser("fetch", help="fetch + convert the model (idempotent)"))
@@ -148,7 +150,8 @@ def generate(args: argparse.Namespace) -> int:
             chosen["temperature"] = 0.0
         params = SamplingParams(**{**generation_defaults(folder), **chosen}, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop)
-        model, tok = load(folder, dtype=args.dtype, weights=args.weights, activations=args.activations)
+        model, tok = load(folder, dtype=args.dtype, weights=args.weights, activations=args.activations,
+                          kv_cache_dtype=args.kv_cache_dtype)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -31,15 +31,16 @@ Prompt = str | dict[str, Any] | Sequence[int]
 class LLM:
     """A model, its tokenizer and one engine. `model`: a Hugging Face Llama checkpoint folder, or None for
     the fetched SmolLM2; `weights="gguf"` serves the GGUF's own blocks, with `activations="int8"` their
-    products on int8 activations, and `dtype="bfloat16"` bf16 matrices and K/V (each opt-in, faster, not
-    exact; see `load`). The engine's options
+    products on int8 activations, `dtype="bfloat16"` bf16 matrices and K/V, `kv_cache_dtype="bfloat16"` a bf16
+    K/V cache alone (each opt-in, faster, not exact; see `load`). The engine's options
     are vLLM's keywords (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, `num_blocks`,
     `kv_cache_bytes`, `enable_prefix_caching`, `speculative_config`; `config.EngineConfig`)."""
 
     def __init__(self, model: str | Path | None = None, *, weights: str = "fp32", activations: str = "fp32",
-                 dtype: str = "float32", **engine_options: Any):
+                 dtype: str = "float32", kv_cache_dtype: str = "auto", **engine_options: Any):
         folder = Path(model) if model else ensure_model()
-        self.model, self.tokenizer = load(folder, dtype=dtype, weights=weights, activations=activations)
+        self.model, self.tokenizer = load(folder, dtype=dtype, weights=weights, activations=activations,
+                                          kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)
         self.sampling_defaults = generation_defaults(folder)  # the checkpoint's recommended sampling, if any
         self._ids = itertools.count()

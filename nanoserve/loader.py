@@ -13,6 +13,7 @@ from .tokenizer import Tokenizer
 
 WEIGHTS = ("fp32", "gguf")
 ACTIVATIONS = ("fp32", "int8")
+KV_CACHE_DTYPES = ("auto", "bfloat16")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
@@ -28,7 +29,8 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = None, pack: bool = True,
-         weights: str = "fp32", gguf: str | Path | None = None, activations: str = "fp32") -> tuple[Llama, Tokenizer]:
+         weights: str = "fp32", gguf: str | Path | None = None, activations: str = "fp32",
+         kv_cache_dtype: str = "auto") -> tuple[Llama, Tokenizer]:
     """The model and tokenizer of a checkpoint folder; with no folder, the fetched SmolLM2
     (fetched and converted on first use). `pack`: see `load_model`; on GGUF blocks, whether int8
     activations read packed copies of them (`load_gguf`).
@@ -41,11 +43,17 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
     inputs with fp32 sums, the rest fp32 (`Llama.cast_matrices`): faster, no longer the fp32 numbers.
 
     `activations="int8"` (GGUF blocks only; opt-in) has each product take x rounded to int8 blocks, as
-    llama.cpp multiplies them: faster, no longer the fp32 numbers."""
+    llama.cpp multiplies them: faster, no longer the fp32 numbers.
+
+    `kv_cache_dtype="bfloat16"` (opt-in; vLLM's name) holds the K/V cache in bf16 whatever the weights
+    (`Llama.round_kv`): half the bytes a long context's decode step reads, no longer the fp32 numbers. "auto" keeps
+    the model's own: fp32, or bf16 with `dtype="bfloat16"`."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected 'fp32' (the folder's safetensors) or 'gguf' (the blocks)")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
     dtype = as_dtype(dtype)
     folder = Path(model_dir) if model_dir else ensure_model()
     if weights == "gguf":
@@ -54,7 +62,11 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
         if dtype != torch.float32:
             raise ValueError(f"weights='gguf' multiplies its blocks in float32; dtype={dtype} is not possible")
         path = Path(gguf) if gguf else download_gguf(nanoserve_home() / "downloads")
-        return load_gguf(path, activations=activations, pack=pack), Tokenizer.from_folder(folder)
-    if activations != "fp32":
+        model = load_gguf(path, activations=activations, pack=pack)
+    elif activations != "fp32":
         raise ValueError(f"activations={activations!r} multiplies GGUF blocks: it needs weights='gguf'")
-    return load_model(folder, dtype, pack=pack), Tokenizer.from_folder(folder)
+    else:
+        model = load_model(folder, dtype, pack=pack)
+    if kv_cache_dtype != "auto":
+        model.round_kv(DTYPES[kv_cache_dtype])
+    return model, Tokenizer.from_folder(folder)

@@ -1,5 +1,6 @@
 """The opt-in formats against their exact counterparts, on the shared prompts (tests/prompts.py): int8 activations
-on the GGUF blocks (against fp32 activations on the same blocks), and bf16 (against fp32). Each format's logits
+on the GGUF blocks (against fp32 activations on the same blocks), bf16 (against fp32), and a bf16 K/V cache alone
+(on the blocks, against their fp32 cache). Each format's logits
 stay within a stated tolerance; fp32 stays exact (the parity tests elsewhere are unchanged); a CPU without the
 format's instructions falls back to the numbers of the format's reference; greedy tokens agree up to a first
 divergence, which is reported, and which must fall where the exact logits' lead is within the format's error."""
@@ -24,8 +25,10 @@ from nanoserve.model.matmul import BlockWeight
 # matrices and each product's input and output rounded to 8 bits (2^-9 relative), q/K/V and a prompt's softmax
 # weights too; measured, max 0.63 and mean 0.14. Each bound is about twice what was measured, room for another
 # CPU's summation order and bf16 kernel; a broken scale, rounding or conversion moves logits by tens.
+# A bf16 K/V cache alone (on the blocks): q, k, v rounded to 8 bits after RoPE; measured max 0.35, mean 0.036.
 INT8_MAX, INT8_MEAN = 5.0, 0.6
 BF16_MAX, BF16_MEAN = 1.5, 0.25
+KV16_MAX, KV16_MEAN = 0.75, 0.08
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -257,5 +260,52 @@ def test_the_widened_bf16_road_gives_a_row_its_bits_in_any_batch(monkeypatch, co
 def test_llm_takes_bf16_by_keyword(model_dir):
     llm = LLM(model_dir, dtype="bfloat16", num_blocks=32)
     assert llm.model.matrix_dtype == "bfloat16" and llm.engine.runner.storage.k.dtype == torch.bfloat16
+    (out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+# ---- a bf16 K/V cache alone (kv_cache_dtype) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kv16(model_dir):
+    """The blocks with their fp32 K/V cache, and with a bf16 one."""
+    return (nanoserve.load(model_dir, weights="gguf")[0],
+            nanoserve.load(model_dir, weights="gguf", kv_cache_dtype="bfloat16")[0])
+
+
+def test_a_bf16_kv_cache_is_opt_in_and_says_so(model_dir, kv16, tok):
+    """Only the cache changes (the blocks and their products stay); half the bytes per cached token, so twice
+    the blocks in the same memory; any weights take it; only bf16 is offered."""
+    exact, half = kv16
+    assert (exact.kv_dtype, half.kv_dtype) == (torch.float32, torch.bfloat16) and half.dtype == torch.float32
+    engines = [LLMEngine(m, tok, kv_cache_bytes=1 << 24) for m in kv16]
+    assert engines[1].runner.storage.k.dtype == torch.bfloat16 and engines[1].runner.block_step is not None
+    assert engines[1].manager.num_blocks // 2 == engines[0].manager.num_blocks
+    assert nanoserve.load(model_dir, kv_cache_dtype="bfloat16")[0].kv_dtype == torch.bfloat16
+    assert half.round_kv(torch.float32).kv_dtype == torch.float32 and half.round_kv(torch.bfloat16) is half
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': expected one of"):
+        nanoserve.load(model_dir, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="holds float32 or bfloat16"):
+        half.round_kv(torch.float16)
+    for cmd in (["generate", "--prompt", "x"], ["serve"]):
+        assert build_parser().parse_args([*cmd, "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+    assert build_parser().parse_args(["serve", "--weights", "gguf", "--activations", "int8"]).activations == "int8"
+
+
+def test_bf16_kv_logits_are_within_tolerance_of_the_fp32_cache(kv16, tok):
+    for name, worst, mean in logit_errors(*kv16, tok):
+        assert 0 < worst <= KV16_MAX and mean <= KV16_MEAN, name
+
+
+def test_bf16_kv_greedy_tokens_agree_up_to_a_reported_divergence(kv16, tok, report):
+    """Through the engine: its decode steps read the bf16 pool (the compiled step on the blocks)."""
+    for name in ("plain", "code", "chat"):
+        check_divergence(*kv16, tok, name, lambda k, v: report(f"bf16 K/V first divergence, {k}", v))
+
+
+def test_llm_takes_a_bf16_kv_cache_by_keyword(model_dir):
+    llm = LLM(model_dir, weights="gguf", activations="int8", kv_cache_dtype="bfloat16", num_blocks=32)
+    assert llm.engine.runner.storage.k.dtype == torch.bfloat16 and llm.model.activations == "int8"
     (out,) = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4

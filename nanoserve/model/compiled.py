@@ -56,7 +56,7 @@ class BlockStep:
             model.embed.blocks, model.embed.fmt, [n.detach().contiguous() for n in norms], [m.blocks for m in mats],
             [m.fmt for m in mats], [m.activations == "int8" for m in mats],
             [p if (p := m.int8_packed()) is not None else NO_PACKED for m in mats], cfg.n_heads, cfg.n_kv_heads,
-            cfg.rms_norm_eps)
+            cfg.rms_norm_eps, model.kv_dtype == torch.bfloat16)
         return cls(model, compiled)
 
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,

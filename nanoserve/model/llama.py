@@ -191,6 +191,14 @@ class Llama(nn.Module):
                 w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
                 w.__dict__.pop("_nanoserve_packed", None)  # a copy of the old numbers: `pack` anew
                 w.__dict__.pop("_nanoserve_tiles", None)
+        return self.round_kv(dtype)
+
+    def round_kv(self, dtype: torch.dtype) -> Llama:
+        """Hold the K/V cache in `dtype` (bf16; fp32 undoes it): q, k and v rounded to its numbers after RoPE, on
+        every road, everything else as it was. Half the bytes per cached token, which every decode step reads
+        once per layer: the larger part of a long context's step on the blocks. In place."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"a K/V cache holds float32 or bfloat16, not {dtype}")
         for blk in self.layers:
             blk.kv_dtype = None if dtype == self.dtype else dtype
         return self

@@ -26,6 +26,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="bfloat16: the folder's matrices and the K/V cache in bf16 (as LLM(dtype=...); not exact)")
     ap.add_argument("--gguf", help="with --weights gguf: the GGUF file (default: the fetched one)")
+    ap.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
+                    help="int8: with --weights gguf, products on int8-rounded activations (as LLM(activations=...))")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
+                    help="bfloat16: the K/V cache in bf16 whatever the weights (as LLM(kv_cache_dtype=...); not exact)")
     ap.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000)
@@ -66,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     from .app import build_app
 
     folder = Path(args.model) if args.model else ensure_model()
-    model, tok = load(folder, dtype=args.dtype, weights=args.weights, gguf=args.gguf)
+    model, tok = load(folder, dtype=args.dtype, weights=args.weights, gguf=args.gguf, activations=args.activations,
+                      kv_cache_dtype=args.kv_cache_dtype)
     name = args.served_model_name or folder.name
     engine = make_engine(model, tok, args)
     async_engine = AsyncEngine(engine, own_thread=False)

@@ -17,18 +17,19 @@ from nanoserve.model.compiled import BlockStep, applies
 from nanoserve.model.gguf_weights import set_activations, to_blocks
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8"])
+@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V"])
 def tiny_blocks(request, tiny_cfg, compiled):
-    """A tiny model on blocks, its products on fp32 activations, then on int8 ones."""
-    return to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param)
+    """A tiny model on blocks, its products on fp32 activations, then on int8 ones, then with a bf16 K/V cache."""
+    model = to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param.split(",")[0])
+    return model.round_kv(torch.bfloat16) if "bf16" in request.param else model
 
 
 def runners(model, num_blocks: int, block_size: int):
     """One pool's bookkeeping and two runners, each with its own storage of that pool's shape: the compiled
     step, and the Python forward. A table from the manager names the same slots in both."""
     manager = BlockManager(num_blocks, block_size, prefix_caching=False)
-    fast = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size))
-    slow = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size), compiled_step=False)
+    fast = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype))
+    slow = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), compiled_step=False)
     assert fast.block_step is not None and slow.block_step is None
     return manager, fast, slow
 
@@ -152,12 +153,19 @@ def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cf
     with pytest.raises(RuntimeError, match="packed 1: expected the .* bytes pack_blocks_int8 makes"):
         compiled.BlockModel(model.embed.blocks, model.embed.fmt, [n.detach() for n in norms], [m.blocks for m in mats],
                             [m.fmt for m in mats], [True] * len(mats), packed, tiny_cfg.n_heads, tiny_cfg.n_kv_heads,
-                            tiny_cfg.rms_norm_eps)
+                            tiny_cfg.rms_norm_eps, False)
 
 
-@pytest.mark.parametrize("activations", ["fp32", "int8"])
-def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir, tok, compiled, activations):
-    model = nanoserve.load(model_dir, weights="gguf", activations=activations)[0]
+def test_a_pool_of_another_dtype_than_the_models_cache_is_refused_by_name(tiny_cfg, compiled):
+    model = to_blocks(Llama.random(tiny_cfg, seed=8)).round_kv(torch.bfloat16)
+    _, md = prepare([Chunk([5], 3, [0])], 4)
+    with pytest.raises(RuntimeError, match="k_cache/v_cache: expected contiguous BFloat16"):
+        BlockStep.of(model)(torch.tensor([5]), md, KVStorage(model.cfg, 8, 4))  # a float32 pool
+
+
+@pytest.mark.parametrize("activations, kv", [("fp32", "auto"), ("int8", "auto"), ("int8", "bfloat16")])
+def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir, tok, compiled, activations, kv):
+    model = nanoserve.load(model_dir, weights="gguf", activations=activations, kv_cache_dtype=kv)[0]
     assert model.activations == activations
     manager, fast, slow = runners(model, 64, 16)
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):\n"), [1] * 40]

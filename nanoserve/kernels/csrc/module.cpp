@@ -28,6 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::string>, std::vector<bool>, std::vector<torch::Tensor>, int64_t, int64_t,
-                          double>())
+                          double, bool>())
       .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits");
 }

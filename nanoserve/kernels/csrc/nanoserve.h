@@ -63,6 +63,7 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
+void round_bf16_(float* x, int64_t n);
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
 void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
 void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
@@ -72,12 +73,12 @@ void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids,
 
 // A model on blocks, stepped by one call (step.cpp): its weights checked and held once, each step's
 // inputs passed to `step`. int8[i]: matrix i multiplies int8-quantized activations (block_linear_int8's product),
-// from packed[i] (pack_blocks_int8) where that is not empty.
+// from packed[i] (pack_blocks_int8) where that is not empty. kv_bf16: its K/V cache holds bf16.
 class BlockModel {
  public:
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
              std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
-             std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps);
+             std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps, bool kv_bf16);
   torch::Tensor step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
                      torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
                      torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
@@ -97,6 +98,7 @@ class BlockModel {
   std::vector<Matrix> mats_;         // wqkv, wo, w_gate_up, w_down of each layer, then the head
   int64_t L_, H_, K_, C_, I_;
   float eps_;
+  bool kv_bf16_;  // q, k, v rounded to bf16 after RoPE, and the K/V pools bf16 (Block.kv_dtype)
   static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
   torch::Tensor scratch_ = torch::empty({0});
   std::mutex scratch_mutex_;

@@ -22,12 +22,13 @@ void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
 
 // embed: the token table's blocks (V rows); norms: attn_norm and mlp_norm of each layer, then the final norm;
 // blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head; int8: which of them take int8 activations;
-// packed: each one's pack_blocks_int8 copy, read instead of its blocks (an empty tensor: none).
-// Every shape is checked here, once.
+// packed: each one's pack_blocks_int8 copy, read instead of its blocks (an empty tensor: none); kv_bf16: the K/V
+// cache holds bf16. Every shape is checked here, once.
 BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
                        std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
-                       std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps)
-    : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)) {
+                       std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps,
+                       bool kv_bf16)
+    : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)), kv_bf16_(kv_bf16) {
   TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && int8.size() == blocks.size() &&
               packed.size() == blocks.size() &&
               norms.size() == blocks.size() / 2 + 1,
@@ -95,10 +96,12 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   check_i64(positions, n, "positions");
   check_i64(slot_mapping, n, "slot_mapping");
   check_i64(last_rows, -1, "last_rows");
+  const auto kv_type = kv_bf16_ ? torch::kBFloat16 : torch::kFloat32;
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 5 && k_cache.size(0) == L_ &&
               k_cache.size(3) == K && k_cache.size(4) == D && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-              k_cache.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == torch::kFloat32,
-              "k_cache/v_cache: expected contiguous float32 (", L_, ", blocks, block_size, ", K, ", ", D, ") of one shape");
+              k_cache.scalar_type() == kv_type && v_cache.scalar_type() == kv_type,
+              "k_cache/v_cache: expected contiguous ", kv_type, " (", L_, ", blocks, block_size, ", K, ", ", D,
+              ") of one shape");
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D && sin_table.sizes() == cos_table.sizes() &&
               cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.scalar_type() == torch::kFloat32 &&
               sin_table.scalar_type() == torch::kFloat32, "cos/sin tables: expected contiguous float32 (P, ", D, ")");
@@ -161,16 +164,25 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
     product(w[0], hp, n, qkvp);
     rope_rows(qkvp, cp, sp, n, HT, H + K, D);
-    float* kp = k_cache.data_ptr<float>() + layer * k_cache.stride(0);
-    float* vp = v_cache.data_ptr<float>() + layer * v_cache.stride(0);
+    if (kv_bf16_) round_bf16_(qkvp, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
+    const int64_t layer_bytes = layer * k_cache.stride(0) * k_cache.element_size();
+    void* kp = static_cast<char*>(k_cache.data_ptr()) + layer_bytes;
+    void* vp = static_cast<char*>(v_cache.data_ptr()) + layer_bytes;
     for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
       const float* row = qkvp + i * HT * D;
       std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
-      std::memcpy(kp + slot[i] * width, row + H * D, width * sizeof(float));
-      std::memcpy(vp + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+      if (kv_bf16_) {  // already bf16 numbers: narrowing keeps them exactly
+        for (int64_t j = 0; j < width; ++j) {
+          static_cast<uint16_t*>(kp)[slot[i] * width + j] = narrow_bf16(row[H * D + j]);
+          static_cast<uint16_t*>(vp)[slot[i] * width + j] = narrow_bf16(row[(H + K) * D + j]);
+        }
+      } else {
+        std::memcpy(static_cast<float*>(kp) + slot[i] * width, row + H * D, width * sizeof(float));
+        std::memcpy(static_cast<float*>(vp) + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+      }
     }
-    paged_attention_rows(qp, kp, vp, false, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables, R_req,
-                         block_tables.size(1), scale, split_keys, attnp);
+    paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
+                         R_req, block_tables.size(1), scale, split_keys, attnp);
     product(w[1], attnp, n, op);
     add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
     // the MLP: x + w_down(silu(gate) * up)
