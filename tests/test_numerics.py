@@ -18,6 +18,7 @@ from nanoserve.model import Llama
 from nanoserve.model import matmul as mm
 from nanoserve.model.gguf_weights import set_activations, to_blocks
 from nanoserve.model.matmul import BlockWeight
+from nanoserve.stages import StaticBatch, paged_session
 
 # Tolerances: max and mean |logit - exact logit| over every position of every shared prompt (logits' spread is 3-9).
 # int8: before each of a layer's 4 products every activation moves by up to half its block's step, max|x| / 254
@@ -291,6 +292,18 @@ def test_a_bf16_kv_cache_is_opt_in_and_says_so(model_dir, kv16, tok):
     for cmd in (["generate", "--prompt", "x"], ["serve"]):
         assert build_parser().parse_args([*cmd, "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     assert build_parser().parse_args(["serve", "--weights", "gguf", "--activations", "int8"]).activations == "int8"
+
+
+def test_the_course_stages_hold_a_models_bf16_cache_too(kv16, tok):
+    """Day 18's paged session and Day 28's static batch size their pools by the model's cache dtype: a bf16 cache
+    on the blocks runs there (the compiled step reads only its own dtype) with the engine's tokens."""
+    half = kv16[1]
+    ids = prompt_ids(tok, "plain")
+    session = paged_session(half, len(ids) + 8)
+    assert session.runner.storage.k.dtype == torch.bfloat16
+    session.free()
+    (tokens,) = StaticBatch(half, [ids], [6]).run()
+    assert tokens == engine_greedy(half, tok, [ids])[0][:len(tokens)] and len(tokens) == 7
 
 
 def test_bf16_kv_logits_are_within_tolerance_of_the_fp32_cache(kv16, tok):

@@ -35,7 +35,8 @@ from .timing import rounds
 
 CSV_PATH = "data/bench-decode.csv"
 NAN = float("nan")
-Key = tuple[str, str, int, int]  # (road, weights, batch, context); weights "gguf+int8": the blocks on int8 activations
+Key = tuple[str, str, int, int]  # (road, weights, batch, context); weights "gguf+int8": the blocks on int8 activations,
+# "gguf+int8+kv-bf16": and a bf16 K/V cache (`weights_key`)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class DecodeRow:
     activations: str = "fp32"  # what the blocks multiply: fp32, or int8 (x rounded to int8 blocks)
     prefill_tok_s: float = NAN  # the prompt's tokens (all rows') over the time to the first token
     vs_transformers: float = NAN
+    kv_cache_dtype: str = "auto"  # the K/V cache: the model's own (auto), or bfloat16
+
+
+def weights_key(activations: str = "fp32", kv_cache_dtype: str = "auto") -> str:
+    """The blocks' key in a run: "gguf", then "+int8" for int8 activations, "+kv-bf16" for a bf16 K/V cache."""
+    return "gguf" + ("+int8" if activations == "int8" else "") + ("+kv-bf16" if kv_cache_dtype == "bfloat16" else "")
 
 
 def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tuple[str, str], float],
@@ -69,23 +76,25 @@ def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tup
     for key, per_round in runs.items():
         engine, weights, batch, context = key
         s, wb = statistics.median(step for _, step in per_round), weight_bytes[(engine, weights)]
-        fmt, _, acts = weights.partition("+")
+        fmt, *options = weights.split("+")
         prefill = statistics.median(batch * context / p for p, _ in per_round)
         rows.append(DecodeRow(engine, fmt, batch, context, s * 1e3, batch / s, wb / 1e6, wb / s / 1e9,
                               wb / s / bandwidth, vs(key, ("nanoserve", "fp32", batch, context)),
-                              vs(key, ("llama.cpp", "gguf", batch, context)), acts or "fp32", prefill,
-                              vs(key, ("transformers", "fp32", batch, context))))
+                              vs(key, ("llama.cpp", "gguf", batch, context)), "int8" if "int8" in options else "fp32",
+                              prefill, vs(key, ("transformers", "fp32", batch, context)),
+                              "bfloat16" if "kv-bf16" in options else "auto"))
     return rows
 
 
 def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
-    """nanoserve's tok/s per weights ("fp32", "gguf", "gguf+int8") per batch size at the smallest context."""
+    """nanoserve's tok/s per weights ("fp32", "gguf", "gguf+int8", `weights_key`'s) per batch size at the smallest
+    context."""
     mine = [r for r in rows if r.engine == "nanoserve"]
     ctx = min(r.context for r in mine)
     out: dict[str, dict[int, float]] = {}
     for r in sorted(mine, key=lambda r: r.batch):
         if r.context == ctx:
-            key = r.weights if r.activations == "fp32" else f"{r.weights}+{r.activations}"
+            key = r.weights if r.weights == "fp32" else weights_key(r.activations, r.kv_cache_dtype)
             out.setdefault(key, {})[r.batch] = r.tok_s
     return out
 
@@ -183,18 +192,21 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--nocache-tokens", type=int, default=4, help="decode steps of the (slow) no-cache loop")
     ap.add_argument("--activations", nargs="+", choices=["fp32", "int8"], default=["fp32"],
                     help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
+    ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "bfloat16"], default=["auto"],
+                    help="the blocks' K/V cache: auto (fp32), bfloat16 (half its bytes); several for rows of each")
     common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     fp32, tok = start(args)
-    models = {"fp32": fp32} | {("gguf" if a == "fp32" else f"gguf+{a}"): load(weights="gguf", activations=a)[0]
-                               for a in args.activations}  # weights key -> the model
+    models = {"fp32": fp32} | {weights_key(a, kv): load(weights="gguf", activations=a, kv_cache_dtype=kv)[0]
+                               for a in args.activations for kv in args.kv_cache_dtype}  # weights key -> the model
     threads, n = torch.get_num_threads(), args.steps
     weight_bytes = {(e, key): m.weight_bytes() for key, m in models.items()
                     for e in ("nanoserve", "nanoserve-py", "nanoserve-engine", "nanoserve-contiguous",
                               "nanoserve-nocache")}
-    weight_bytes[("llama.cpp", "gguf")] = weight_bytes[("nanoserve", "gguf")]  # the same blocks, the same file
+    # the same blocks, the same file (whichever activations and cache were asked for)
+    weight_bytes[("llama.cpp", "gguf")] = next(m.weight_bytes() for key, m in models.items() if key != "fp32")
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[Key, Callable[[], tuple[float, float]]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:

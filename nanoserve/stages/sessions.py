@@ -132,7 +132,7 @@ def paged_session(model: Llama, max_len: int, block_size: int = 16, prefix_cachi
     """A session on its own pool sized for `max_len` tokens: the paged twin of `cached_session`."""
     num_blocks = -(-max_len // block_size)
     manager = BlockManager(num_blocks, block_size, prefix_caching)
-    runner = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.dtype), kernels, attention)
+    runner = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), kernels, attention)
     return PagedSession(manager, runner)
 
 

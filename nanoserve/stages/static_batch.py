@@ -128,7 +128,7 @@ class StaticBatch:
         self.model = model
         self.prompts = [list(p) for p in prompts]
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, [len(p) for p in prompts], self.n_steps + 1, block_size,
-                                                model.dtype)
+                                                model.kv_dtype)
         self.runner = ModelRunner(model, self.kv.storage, kernels, compiled_step=compiled_step)
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.last: list[int] = []  # each row's newest token, collected or not: the next step's input

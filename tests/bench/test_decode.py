@@ -61,7 +61,21 @@ def test_rows_on_int8_activations_keep_the_weights_and_name_the_activations():
     assert all(r.activations == "fp32" for r in rows if r not in int8)
     assert decode.by_batch(rows)["gguf+int8"] == {1: 125.0, 8: 8 / 0.030}
     args = build_parser().parse_args(["bench", "decode", "--activations", "fp32", "int8"])
-    assert args.activations == ["fp32", "int8"]
+    assert args.activations == ["fp32", "int8"] and args.kv_cache_dtype == ["auto"]
+
+
+def test_rows_on_a_bf16_cache_name_it_beside_the_activations():
+    key = decode.weights_key("int8", "bfloat16")
+    steps = {**STEPS, ("nanoserve", key, 1, 128): 0.006, ("nanoserve", "gguf+int8", 1, 128): 0.008}
+    rows = decode.make_rows({k: [(0.5, s)] for k, s in steps.items()},
+                            {**BYTES, ("nanoserve", key): 1e8, ("nanoserve", "gguf+int8"): 1e8}, bandwidth=20e9)
+    (half,) = [r for r in rows if r.kv_cache_dtype == "bfloat16"]
+    assert (half.weights, half.activations, half.batch, half.step_ms) == ("gguf", "int8", 1, 6.0)
+    assert all(r.kv_cache_dtype == "auto" for r in rows if r is not half)
+    assert decode.by_batch(rows)[key] == {1: 1 / 0.006} and decode.by_batch(rows)["gguf+int8"] == {1: 125.0}
+    assert decode.weights_key() == "gguf" and key == "gguf+int8+kv-bf16"
+    args = build_parser().parse_args(["bench", "decode", "--kv-cache-dtype", "auto", "bfloat16"])
+    assert args.kv_cache_dtype == ["auto", "bfloat16"]
 
 
 def test_ratios_pair_rounds_and_medians_are_per_column():
