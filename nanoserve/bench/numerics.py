@@ -1,13 +1,14 @@
 """`python -m nanoserve bench numerics`: what bf16 and int8 activations buy in speed and cost in numbers (Day 42).
 
-Four formats of one checkpoint, loaded side by side: fp32 (the exact default), bf16 (matrices and K/V in bf16,
-`load(dtype="bfloat16")`), the GGUF's blocks on fp32 activations (the fp32 numbers, a fifth of the bytes) and the
-blocks on int8 activations (`activations="int8"`). Against fp32, on text that ships with Python itself
-(`pydoc_data`, no download): logit error (max, mean), perplexity, and greedy agreement over many prompts (where the
-first divergence falls, and fp32's lead there). Then speed, formats interleaved: prefill tok/s, decode tok/s at
-each batch size through the engine, batch 1's weight bytes as a fraction of the read bandwidth (measured just
-before each batch-1 decode; the median of each decode's fraction), and goodput on a ragged arrival trace. One
-long-format CSV (format, measure, size, value, vs_fp32) and one row per greedy prompt (`-greedy.csv`).
+Five formats of one checkpoint, loaded side by side: fp32 (the exact default), bf16 (matrices and K/V in bf16,
+`load(dtype="bfloat16")`), the GGUF's blocks on fp32 activations (the fp32 numbers, a fifth of the bytes), the
+blocks on int8 activations (`activations="int8"`), and those with a bf16 K/V cache (`kv_cache_dtype="bfloat16"`).
+Against fp32, on text that ships with Python itself (`pydoc_data`, no download): logit error (max, mean),
+perplexity, and greedy agreement over many prompts (where the first divergence falls, and fp32's lead there). Then
+speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, batch 1's weight
+bytes as a fraction of the read bandwidth (measured just before each batch-1 decode; the median of each decode's
+fraction), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32) and
+one row per greedy prompt (`-greedy.csv`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .serving import SLO, arrival_times, serving_metrics
 from .timing import interleaved
 
 FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "blocks": {"weights": "gguf"},
-           "blocks-int8": {"weights": "gguf", "activations": "int8"}}
+           "blocks-int8": {"weights": "gguf", "activations": "int8"},
+           "blocks-int8-kv16": {"weights": "gguf", "activations": "int8", "kv_cache_dtype": "bfloat16"}}
 NEAR_TIE = 1e-3
 """A reference top1 - top2 logit gap below this is a genuine near-tie: there two correct paths may part (the
 parity tests, the notebooks and this bench all use this one)."""
