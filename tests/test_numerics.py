@@ -26,9 +26,9 @@ from nanoserve.stages import StaticBatch, paged_session
 # matrices and each product's input and output rounded to 8 bits (2^-9 relative), q/K/V and a prompt's softmax
 # weights too; measured, max 0.63 and mean 0.14. Each bound is about twice what was measured, room for another
 # CPU's summation order and bf16 kernel; a broken scale, rounding or conversion moves logits by tens.
-# A bf16 K/V cache alone (on the blocks): q, k, v rounded to 8 bits after RoPE; measured max 0.35, mean 0.036.
 INT8_MAX, INT8_MEAN = 5.0, 0.6
 BF16_MAX, BF16_MEAN = 1.5, 0.25
+# A bf16 K/V cache alone (on the blocks): q, k, v rounded to 8 bits after RoPE; measured max 0.35, mean 0.036.
 KV16_MAX, KV16_MEAN = 0.75, 0.08
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -284,11 +284,13 @@ def test_a_bf16_kv_cache_is_opt_in_and_says_so(model_dir, kv16, tok):
     assert engines[1].runner.storage.k.dtype == torch.bfloat16 and engines[1].runner.block_step is not None
     assert engines[1].manager.num_blocks // 2 == engines[0].manager.num_blocks
     assert nanoserve.load(model_dir, kv_cache_dtype="bfloat16")[0].kv_dtype == torch.bfloat16
-    assert half.round_kv(torch.float32).kv_dtype == torch.float32 and half.round_kv(torch.bfloat16) is half
+    mine = Llama.random(nanoserve.config.ModelConfig.tiny())  # (the shared models stay as they are)
+    assert mine.round_kv(torch.bfloat16) is mine and mine.kv_dtype == torch.bfloat16
+    assert mine.round_kv(torch.float32).kv_dtype == torch.float32
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8': expected one of"):
         nanoserve.load(model_dir, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="holds float32 or bfloat16"):
-        half.round_kv(torch.float16)
+        mine.round_kv(torch.float16)
     for cmd in (["generate", "--prompt", "x"], ["serve"]):
         assert build_parser().parse_args([*cmd, "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
     assert build_parser().parse_args(["serve", "--weights", "gguf", "--activations", "int8"]).activations == "int8"
