@@ -60,15 +60,14 @@ def stream_generate(model: Llama, prompt_ids: Sequence[int], params: SamplingPar
 def generate(model: Llama, prompt_ids: Sequence[int], params: SamplingParams | None = None,
              tokenizer: Tokenizer | None = None,
              speculative_config: SpeculativeConfig | dict | None = None) -> CompletionOutput:
-    """Run `stream_generate` to the end: the completion's ids and text (one sample: params.n must be 1)."""
+    """Run `stream_generate` to the end: the completion's ids, text and, if asked for, log-probabilities (one
+    sample: params.n must be 1)."""
     params = params or SamplingParams(temperature=0.0)
     if params.n != 1:
         raise ValueError(f"SamplingParams.n={params.n}: generate returns one completion; LLM.generate returns n")
     out = CompletionOutput(0, "", [])
     for step in stream_generate(model, prompt_ids, params, tokenizer, speculative_config):
-        out.token_ids.extend(step.new_token_ids)
-        out.text += step.new_text
-        out.finish_reason, out.stop_reason = step.finish_reason, step.stop_reason
+        out.add(step)
     return out
 
 

@@ -78,10 +78,10 @@ class LLM:
                     if out.request_id not in outs:
                         continue
                     c = done.setdefault((out.request_id, out.index), CompletionOutput(out.index, "", []))
-                    c.text += out.new_text
-                    c.token_ids += out.new_token_ids
+                    c.add(out)
+                    if out.prompt_logprobs is not None:
+                        outs[out.request_id].prompt_logprobs = out.prompt_logprobs
                     if out.finished:
-                        c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                         outs[out.request_id].outputs[out.index] = c
                         outs[out.request_id].num_cached_tokens = out.num_cached_tokens
                         bar.update(1)

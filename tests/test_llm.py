@@ -4,6 +4,7 @@ prompts in every form, n samples, streaming, and bad input refused before anythi
 import pytest
 
 from nanoserve import LLM, SamplingParams, generate
+from nanoserve.generate import stream_generate
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "Write a haiku about the sea."]
@@ -37,6 +38,27 @@ def test_chat_token_ids_and_one_params_per_prompt(llm, model, tok):
         assert o.prompt is None and o.prompt_token_ids == tok.encode_chat(c)
     one = llm.chat([{"role": "user", "content": QUESTIONS[0]}], params[0], use_tqdm=False)
     assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+def test_logprobs_reach_the_outputs_of_generate_and_llm(llm, model, tok):
+    """What the engine computes for `logprobs` and `prompt_logprobs` is what the API hands back, per token."""
+    prompt = "The capital of France is"
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    steps = list(stream_generate(model, tok.encode(prompt), params, tok))
+    want = [e for s in steps for e in s.logprobs]
+    (out,) = llm.generate(prompt, params, use_tqdm=False)
+    alone = generate(model, tok.encode(prompt), params, tok)
+    for c in (out.outputs[0], alone):
+        assert c.token_ids == [t for s in steps for t in s.new_token_ids]
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        for t, got, ref in zip(c.token_ids, c.logprobs, want):
+            assert next(iter(got)) == t and len(got) <= 4 and set(got) == set(ref)
+            assert all(abs(got[k][0] - ref[k][0]) < 1e-5 for k in got)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(tok.encode(prompt))
+    assert [list(e) for e in out.prompt_logprobs[1:]] == [list(e) for e in steps[0].prompt_logprobs[1:]]
+    (plain,) = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
+    llm.engine.check_idle()
 
 
 def test_n_samples_are_seeded_one_by_one_and_share_one_prefill(llm, tok):

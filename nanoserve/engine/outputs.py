@@ -46,7 +46,16 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, if the request asked for them
+
+    def add(self, step: StepOutput) -> None:
+        """Fold in one of this sample's steps: its tokens, text and log-probabilities, and how it ended."""
+        self.token_ids += step.new_token_ids
+        self.text += step.new_text
+        if step.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + step.logprobs
+        if step.finished:
+            self.finish_reason, self.stop_reason = step.finish_reason, step.stop_reason
 
 
 @dataclass

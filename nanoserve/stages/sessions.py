@@ -166,9 +166,7 @@ def run_session(model: Llama, session: Session, prompt_ids: list[int], params: S
     """`stream_session` to the end: the completion's ids and text."""
     out = CompletionOutput(0, "", [])
     for step in stream_session(model, session, prompt_ids, params, tokenizer):
-        out.token_ids.extend(step.new_token_ids)
-        out.text += step.new_text
-        out.finish_reason = step.finish_reason
+        out.add(step)
     return out
 
 
