@@ -275,6 +275,24 @@ def test_speculative_tokens_equal_plain_greedy(model, plain, name):
     engine.check_idle()
 
 
+@pytest.mark.parametrize("fmt", [dict(dtype="bfloat16"),
+                                 dict(weights="gguf", activations="int8", kv_cache_dtype="bfloat16")])
+def test_speculative_tokens_are_plain_greedys_in_the_rounded_formats_too(model_dir, fmt):
+    """bf16 and int8 round their numbers, so a last-bit difference between a verify step and a decode step can
+    change a rounded value and then a token. A verify step computes each row as a decode step does: the tokens
+    are plain greedy's, every one."""
+    from nanoserve.loader import load
+
+    rounded, tok = load(model_dir, **fmt)
+    for name in ("copy", "summary"):
+        ids = tok.encode_chat([{"role": "user", "content": REAL_PROMPTS[name]}])
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        req, engine = spec_engine_run(rounded, ids, params)
+        assert req.num_accepted_tokens > 0
+        assert req.output_token_ids == generate(rounded, ids, params).token_ids
+        engine.check_idle()
+
+
 def test_rollback_leaves_the_sequences_own_kv_and_no_leak(model, plain):
     """Mid-request, after drafts were rejected: the block table holds prompt + output (the newest token's
     K/V is the next step's), its full blocks are named by the right hashes, and its keys are what a fresh

@@ -596,18 +596,19 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 namespace {
 
-// Split-K for decode rows (flash-decoding): the keys of request r (one query) are cut into pieces of P keys,
+// Split-K for decode rows (flash-decoding): the keys of a row (request r's query at q row `row`, over `keys`
+// keys; rows = {r, row, keys}) are cut into pieces of P keys,
 // and each piece is a task that leaves, for every query head, the piece's online-softmax state: max m, sum l
 // of e^(s - m), and the unnormalised value sum acc (each key slot read once). Then each (row, head) merges its
 // pieces in order: M = the largest m, out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M). The pieces
 // depend on the row's own length only, never on the batch or the thread count, and so do its bits.
 template <class T>
-void split_decode(const std::vector<int64_t>& rows, const float* qd, const T* kd, const T* vd, float* od,
-                  const int64_t* lens, const int64_t* qsl, const int64_t* tables, int64_t W, int64_t BS, int64_t H,
-                  int64_t K, int64_t D, float scale, int64_t P) {
+void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* qd, const T* kd, const T* vd,
+                  float* od, const int64_t* tables, int64_t W, int64_t BS, int64_t H, int64_t K, int64_t D,
+                  float scale, int64_t P) {
   const int64_t R = static_cast<int64_t>(rows.size()), rep = H / K;  // rep query heads share each kv head
   std::vector<int64_t> first(R + 1, 0);  // row s's pieces are first[s] .. first[s+1]-1
-  for (int64_t s = 0; s < R; ++s) first[s + 1] = first[s] + (lens[rows[s]] + P - 1) / P;
+  for (int64_t s = 0; s < R; ++s) first[s + 1] = first[s] + (rows[s][2] + P - 1) / P;
   const int64_t pieces = first[R];
   std::vector<float> acc(pieces * H * D), m(pieces * H), l(pieces * H);  // (piece, head, ...)
   struct Scratch {
@@ -616,11 +617,11 @@ void split_decode(const std::vector<int64_t>& rows, const float* qd, const T* kd
   };
   for_each_task<Scratch>(pieces, [&](int64_t piece, Scratch& sc) {
     const int64_t s = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
-    const int64_t r = rows[s], l0 = (piece - first[s]) * P, n = std::min(P, lens[r] - l0);
+    const int64_t r = rows[s][0], l0 = (piece - first[s]) * P, n = std::min(P, rows[s][2] - l0);
     sc.scores.resize(H * n);
     sc.at.resize(n);
     for (int64_t j = 0; j < n; ++j) sc.at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
-    decode_scores(qd + qsl[r] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
+    decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
     value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
                m.data() + piece * H, l.data() + piece * H);
   });
@@ -638,7 +639,7 @@ void split_decode(const std::vector<int64_t>& rows, const float* qd, const T* kd
         for (int64_t d = 0; d < D; ++d) o[d] += a[d] * c;
       }
       const float inv = 1.0f / L;
-      float* dst = od + (qsl[rows[s]] * H + h) * D;
+      float* dst = od + (rows[s][1] * H + h) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
     }
   });
@@ -652,7 +653,8 @@ void split_decode(const std::vector<int64_t>& rows, const float* qd, const T* kd
 // a chunk after cached context, or one decode token). Its query i sits at position seq_lens[r] - T_r + i
 // and attends over keys 0..that position, key l in block block_tables[r][l / block_size]. Rows past
 // query_start_loc[R] are padding and come out zero.
-// A decode row with more than split_keys keys (split_keys > 0) is split-K (flash-decoding): its keys are cut
+// A request with at most 16 queries (a decode token, or one with its drafts) has each query computed as a decode
+// row; a decode row with more than split_keys keys (split_keys > 0) is split-K (flash-decoding): its keys are cut
 // into pieces of split_keys, each piece a task of its own, and the pieces' softmax states merged in order.
 // q (N, H, D); k_pool/v_pool (blocks, block_size, K, D), float32 or bf16; query_start_loc (R+1,), seq_lens (R,),
 // block_tables (R, W): int64. Returns (N, H*D).
@@ -697,8 +699,13 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
   constexpr int64_t TILE = 16;  // queries of one request handled by one task
+  // A request with this few queries (a decode token, or one with its speculative drafts) has each query computed
+  // as a decode row is, in its own task or split-K: a row's bits then depend on its keys alone, so a verified
+  // draft gets the bits plain decoding would have given it (in bf16 and int8 too, where a last-bit difference
+  // can change a rounded number and then a token).
+  constexpr int64_t DECODE_ROWS = 16;
   std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query)
-  std::vector<int64_t> split;                 // decode requests whose keys are read in pieces (split-K)
+  std::vector<std::array<int64_t, 3>> split;  // decode rows whose keys are read in pieces: (request, q row, keys)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t T = qsl[r + 1] - qsl[r];
     TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
@@ -707,8 +714,12 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
     for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
                   " is not in the pool of ", NB);
-    if (T == 1 && split_keys > 0 && lens[r] > split_keys) {
-      split.push_back(r);
+    if (T <= DECODE_ROWS) {  // each query as a decode row: split-K past split_keys keys, else a tile of one
+      for (int64_t i = 0; i < T; ++i) {
+        const int64_t keys = lens[r] - T + i + 1;
+        if (split_keys > 0 && keys > split_keys) split.push_back({r, qsl[r] + i, keys});
+        else tiles.push_back({r, i, i + 1});
+      }
       continue;
     }
     for (int64_t i = 0; i < T; i += TILE) tiles.push_back({r, i, std::min(T, i + TILE)});
@@ -781,7 +792,7 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
                      od + ((qsl[r] + i) * H + g * rep) * D);
       }
     });
-    if (!split.empty()) split_decode(split, qd, kd, vd, od, lens, qsl, tables, W, BS, H, K, D, fscale, split_keys);
+    if (!split.empty()) split_decode(split, qd, kd, vd, od, tables, W, BS, H, K, D, fscale, split_keys);
   };
   if (bf16)
     attend(static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool));
