@@ -3,11 +3,12 @@
     reference  gather each request's blocks, attend over the copy (the oracle; Day 18)
     torch      batched torch ops: decode rows in one gathered rectangle (Day 28)
     compiled   one C++ loop that reads each request's keys where they lie (`kernels.paged_attention`;
-               a long decode row split into pieces over the cores); a whole prompt, whose keys are all
-               new, takes torch's fused causal kernel (on a bf16 pool, the bf16 prompt kernel)
+               every query row computed as a decode row, a long one split into pieces over the cores);
+               on a bf16 pool a whole prompt, whose keys are all new, takes the bf16 prompt kernel
 
 All three take the same `AttentionMetadata` and give each request the same answer to fp32
-rounding; each gives a request the same bits whatever else is in its step.
+rounding; each gives a request the same bits whatever else is in its step. The compiled one on an
+fp32 pool also gives a prompt's rows the same bits however the prompt was cut into chunks.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ Attend = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, AttentionMetadata, di
 
 def compiled_attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetadata,
                     scratch: dict) -> Tensor:
-    """Decode tokens and chunks after cached context: the compiled kernel, reading keys where they lie.
-    A whole prompt (nothing cached before it) has its keys in hand: torch's fused causal kernel, or on a bf16
-    pool the kernel with bf16 products (`bf16_prompt_attention`)."""
+    """Every row on the compiled kernel, reading keys where they lie: a row's bits depend on its keys alone,
+    not on the step or on how its prompt was chunked. On a bf16 pool a whole prompt (nothing cached before
+    it) has its keys in hand and takes the kernel with bf16 products (`bf16_prompt_attention`): faster, and
+    its own numbers."""
+    scale = q.shape[-1] ** -0.5
+    if k_pool.dtype != torch.bfloat16:
+        return kernels.paged_attention(q, k_pool, v_pool, md.query_start_loc, md.seq_lens, md.block_tables, scale)
     if "split" not in scratch:
         scratch["split"] = split_prompts(md)
     prompts, rest = scratch["split"]
-    scale = q.shape[-1] ** -0.5
     if not prompts:
         return kernels.paged_attention(q, k_pool, v_pool, md.query_start_loc, md.seq_lens, md.block_tables, scale)
     out = q.new_zeros(q.shape[0], q.shape[1] * q.shape[2])
-    whole = bf16_prompt_attention if k_pool.dtype == torch.bfloat16 else torch_ops.prompt_attention
     for s, e in prompts:
-        out[s:e] = whole(q[s:e], k[s:e], v[s:e])
+        out[s:e] = bf16_prompt_attention(q[s:e], k[s:e], v[s:e])
     if rest is not None:
         rows, qsl, seq_lens, tables = rest
         out[rows] = kernels.paged_attention(q[rows], k_pool, v_pool, qsl, seq_lens, tables, scale)

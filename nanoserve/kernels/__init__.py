@@ -203,7 +203,7 @@ def argmax_rows(logits: Tensor) -> Tensor:
 
 
 SPLIT_KEYS = 512
-"""Split-K's piece: a decode row with more keys than this is read in pieces of this many keys, one task each,
+"""Split-K's piece: a query row with more keys than this is read in pieces of this many keys, one task each,
 merged in order (flash-decoding). A constant, so a row's pieces, and its bits, never depend on the batch or
 the thread count; a multiple of every block size the engine uses."""
 
@@ -211,10 +211,9 @@ the thread count; a multiple of every block size the engine uses."""
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
                     block_tables: Tensor, scale: float, split_keys: int | None = None) -> Tensor:
     """Each query row over its request's keys in the pool (see `attention.metadata`). q (N, H, D);
-    pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero. A request
-    with at most 16 queries (a decode token, or one with its drafts) has each computed as a decode row, so a
-    row's bits depend on its own keys only. split_keys: split-K's piece for long decode rows (None: SPLIT_KEYS;
-    0: never split)."""
+    pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero. Every query
+    row is computed as a decode row, so its bits depend on its query and its keys only. split_keys: split-K's
+    piece for rows of more keys (None: SPLIT_KEYS; 0: never split)."""
     args = (q, k_pool, v_pool, query_start_loc, seq_lens, block_tables)
     split_keys = SPLIT_KEYS if split_keys is None else split_keys
     if has_torch_function(args):

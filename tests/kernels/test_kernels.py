@@ -501,24 +501,24 @@ def test_a_bf16_pool_gives_the_bits_of_an_fp32_pool_of_the_same_numbers(compiled
                        kernels.paged_attention(**widened, split_keys=split_keys))
 
 
-def test_split_k_takes_decode_rows_longer_than_one_piece_only(compiled):
-    """A row of at most split_keys keys, and every row of a request with more than 16 queries (a prompt's), runs
-    the unsplit loops: same bits. A request's few queries are decode rows, split past one piece."""
-    case = ragged_case([64, 65, 200], [1, 1, 4], 16, seed=4)
+def test_split_k_takes_rows_longer_than_one_piece_only(compiled):
+    """A row of at most split_keys keys runs the unsplit loops: the same bits. Any longer row, a decode token's
+    or a prompt's, is read in pieces, merged: equal to rounding, not to the bit."""
+    case = ragged_case([64, 65, 200], [1, 1, 150], 16, seed=4)
     whole, split = (kernels.paged_attention(**case, split_keys=s) for s in (0, 64))
     assert torch.equal(split[0], whole[0])  # 64 keys
-    assert not torch.equal(split[1], whole[1])  # 65 keys: two pieces, merged (equal to rounding, not to the bit)
-    torch.testing.assert_close(split[1:], whole[1:], atol=2e-6, rtol=1e-5)  # and the 4 queries' 197..200 keys
-    prompt = ragged_case([300], [17], 16, seed=4)
-    assert torch.equal(*(kernels.paged_attention(**prompt, split_keys=s) for s in (64, 0)))  # 17 queries: a prompt's
+    assert not torch.equal(split[1], whole[1])  # 65 keys: two pieces
+    assert torch.equal(split[2:15], whole[2:15])  # the prompt's first 13 queries: 51..63 keys
+    torch.testing.assert_close(split[1:], whole[1:], atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("split_keys", [0, 48])
-def test_a_requests_few_queries_get_the_bits_of_decode_rows(compiled, dtype, split_keys):
-    """A request with up to 16 queries (a decode token and its drafts, in speculative decoding) gets, in each
-    row, the bits that row gets as a lone decode row over its own keys: a verified draft is plain decoding's."""
-    for T in (2, 6, 16):
+def test_every_query_gets_the_bits_of_a_decode_row(compiled, dtype, split_keys):
+    """Each row of a request's queries (a decode token and its drafts, a chunk, a whole prompt) gets the bits
+    that query gets alone as a decode row over its own keys: a verified draft is plain decoding's, and a prompt's
+    rows do not depend on how it was cut into chunks."""
+    for T in (2, 6, 16, 17, 40, 90):
         case = ragged_case([40, 90], [1, T], 16, H=9, K=3, D=64, seed=T)
         case = dict(case, k_pool=case["k_pool"].to(dtype), v_pool=case["v_pool"].to(dtype))
         out = kernels.paged_attention(**case, split_keys=split_keys)

@@ -596,8 +596,8 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 namespace {
 
-// Split-K for decode rows (flash-decoding): the keys of a row (request r's query at q row `row`, over `keys`
-// keys; rows = {r, row, keys}) are cut into pieces of P keys,
+// Split-K for rows of more than P keys (flash-decoding): the keys of a row (request r's query at q row `row`,
+// over `keys` keys; rows = {r, row, keys}) are cut into pieces of P keys,
 // and each piece is a task that leaves, for every query head, the piece's online-softmax state: max m, sum l
 // of e^(s - m), and the unnormalised value sum acc (each key slot read once). Then each (row, head) merges its
 // pieces in order: M = the largest m, out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M). The pieces
@@ -615,15 +615,27 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
     std::vector<float> scores;
     std::vector<int64_t> at;
   };
-  for_each_task<Scratch>(pieces, [&](int64_t piece, Scratch& sc) {
-    const int64_t s = std::upper_bound(first.begin(), first.end(), piece) - first.begin() - 1;
-    const int64_t r = rows[s][0], l0 = (piece - first[s]) * P, n = std::min(P, rows[s][2] - l0);
-    sc.scores.resize(H * n);
-    sc.at.resize(n);
-    for (int64_t j = 0; j < n; ++j) sc.at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
-    decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
-    value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
-               m.data() + piece * H, l.data() + piece * H);
+  // a task: one piece of up to 16 consecutive rows of one request (the same keys, read while in cache)
+  std::vector<std::array<int64_t, 3>> jobs;  // (first row, end row, piece)
+  for (int64_t s = 0; s < R;) {
+    int64_t e = s + 1;
+    while (e < R && e - s < 16 && rows[e][0] == rows[s][0] && rows[e][1] == rows[e - 1][1] + 1) ++e;
+    for (int64_t p = 0; p < first[e] - first[e - 1]; ++p) jobs.push_back({s, e, p});  // the last row has the most
+    s = e;
+  }
+  for_each_task<Scratch>(static_cast<int64_t>(jobs.size()), [&](int64_t job, Scratch& sc) {
+    const auto [s0, s1, p] = jobs[job];
+    const int64_t r = rows[s0][0], l0 = p * P, most = std::min(P, rows[s1 - 1][2] - l0);
+    sc.scores.resize(H * most);
+    sc.at.resize(most);
+    for (int64_t j = 0; j < most; ++j) sc.at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
+    for (int64_t s = s0; s < s1; ++s) {
+      if (rows[s][2] <= l0) continue;  // this row's keys end before the piece
+      const int64_t n = std::min(P, rows[s][2] - l0), piece = first[s] + p;
+      decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
+      value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
+                 m.data() + piece * H, l.data() + piece * H);
+    }
   });
   at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
@@ -653,9 +665,10 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
 // a chunk after cached context, or one decode token). Its query i sits at position seq_lens[r] - T_r + i
 // and attends over keys 0..that position, key l in block block_tables[r][l / block_size]. Rows past
 // query_start_loc[R] are padding and come out zero.
-// A request with at most 16 queries (a decode token, or one with its drafts) has each query computed as a decode
-// row; a decode row with more than split_keys keys (split_keys > 0) is split-K (flash-decoding): its keys are cut
-// into pieces of split_keys, each piece a task of its own, and the pieces' softmax states merged in order.
+// Every query row is computed as a decode row, over its own keys: a row of more than split_keys keys (split_keys >
+// 0) is split-K (flash-decoding): its keys are cut into pieces of split_keys, and the pieces' softmax states
+// merged in order. A row's bits so depend on its query and its keys alone: never on the other rows of the step,
+// on how its prompt was cut into chunks, or on the thread count.
 // q (N, H, D); k_pool/v_pool (blocks, block_size, K, D), float32 or bf16; query_start_loc (R+1,), seq_lens (R,),
 // block_tables (R, W): int64. Returns (N, H*D).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -698,14 +711,9 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
   const int64_t rep = H / K;
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
-  constexpr int64_t TILE = 16;  // queries of one request handled by one task
-  // A request with this few queries (a decode token, or one with its speculative drafts) has each query computed
-  // as a decode row is, in its own task or split-K: a row's bits then depend on its keys alone, so a verified
-  // draft gets the bits plain decoding would have given it (in bf16 and int8 too, where a last-bit difference
-  // can change a rounded number and then a token).
-  constexpr int64_t DECODE_ROWS = 16;
-  std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query)
-  std::vector<std::array<int64_t, 3>> split;  // decode rows whose keys are read in pieces: (request, q row, keys)
+  constexpr int64_t TILE = 16;  // queries of one request handled by one task (they share its keys in cache)
+  std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query): rows of at most split_keys keys
+  std::vector<std::array<int64_t, 3>> split;  // rows of more, their keys read in pieces: (request, q row, keys)
   for (int64_t r = 0; r < R; ++r) {
     const int64_t T = qsl[r + 1] - qsl[r];
     TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
@@ -714,15 +722,10 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
     for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
                   " is not in the pool of ", NB);
-    if (T <= DECODE_ROWS) {  // each query as a decode row: split-K past split_keys keys, else a tile of one
-      for (int64_t i = 0; i < T; ++i) {
-        const int64_t keys = lens[r] - T + i + 1;
-        if (split_keys > 0 && keys > split_keys) split.push_back({r, qsl[r] + i, keys});
-        else tiles.push_back({r, i, i + 1});
-      }
-      continue;
-    }
-    for (int64_t i = 0; i < T; i += TILE) tiles.push_back({r, i, std::min(T, i + TILE)});
+    // query i sees lens[r] - T + i + 1 keys: the first `whole` see at most split_keys (all, with split_keys 0)
+    const int64_t whole = split_keys > 0 ? std::clamp<int64_t>(split_keys - (lens[r] - T), 0, T) : T;
+    for (int64_t i = 0; i < whole; i += TILE) tiles.push_back({r, i, std::min(whole, i + TILE)});
+    for (int64_t i = whole; i < T; ++i) split.push_back({r, qsl[r] + i, lens[r] - T + i + 1});
   }
   // Tasks go to whichever thread is free (for_each_task), heaviest first: a tile's work grows with its keys.
   std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
@@ -732,64 +735,28 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
   const float fscale = static_cast<float>(scale);
   // A task is a tile and all its kv heads (each key slot holds every kv head's numbers side by side: read
   // once), unless there are too few tiles to keep every thread busy: then a tile and one kv head. Either
-  // way every (query, head) row is computed by the same loops in the same order.
+  // way every (query, head) row is computed by the same loops in the same order: a decode row's.
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
   const bool per_head = n_tiles < 4 * at::get_num_threads();
   struct Scratch {
-    std::vector<float> scores, kt;
+    std::vector<float> scores;
     std::vector<int64_t> at;  // where key l's slot starts in the pool (every kv head's numbers, side by side)
   };
   const auto attend = [&](const auto* kd, const auto* vd) {  // float or bf16 pools: the same loops
     for_each_task<Scratch>(per_head ? n_tiles * K : n_tiles, [&](int64_t task, Scratch& sc) {
-      std::vector<float>& scores = sc.scores;
-      std::vector<float>& kt = sc.kt;
-      std::vector<int64_t>& at = sc.at;
-      kt.resize(D * LANES);
       const auto& tile = tiles[per_head ? task / K : task];
-      const int64_t r = tile[0], T = qsl[r + 1] - qsl[r], i0 = tile[1], i1 = tile[2];
-      const int64_t g0 = per_head ? task % K : 0, g1 = per_head ? g0 + 1 : K;
+      const int64_t r = tile[0], i0 = tile[1], i1 = tile[2];
+      const int64_t g0 = per_head ? task % K : 0, heads = (per_head ? 1 : K) * rep, h_first = g0 * rep;
       const int64_t* table = tables + r * W;
-      const int64_t first = lens[r] - T;            // keys before the request's first query
-      const int64_t n_max = first + i1;             // keys the tile's last query sees
-      at.resize(n_max);
-      for (int64_t l = 0; l < n_max; ++l) at[l] = (table[l / BS] * BS + l % BS) * K * D;
-      if (i1 - i0 == 1) {  // one query (a decode token): dot products key by key, each slot read once
-        const int64_t row = qsl[r] + i0, heads = (g1 - g0) * rep, h_first = g0 * rep;
-        scores.resize(heads * n_max);
-        decode_scores(qd + (row * H + h_first) * D, kd, vd, at.data(), n_max, heads, h_first, rep, D, fscale, scores.data());
-        value_sums(scores.data(), n_max, n_max, heads, h_first, rep, D, vd, at.data(), od + (row * H + h_first) * D);
-        return;
-      }
-      const int64_t rows = (i1 - i0) * rep;         // (query, head) rows of one kv head, query-major
-      scores.resize(rows * n_max);
-      for (int64_t g = g0; g < g1; ++g) {
-        // Scores, LANES keys at a time: the keys transposed into kt (D, LANES) once, then every row's
-        // LANES dot products as one vector sum over d (no horizontal adds). Row (i, j) stops at its own key.
-        for (int64_t l0 = 0; l0 < n_max; l0 += LANES) {
-          const int64_t kn = std::min<int64_t>(LANES, n_max - l0);
-          for (int64_t j = 0; j < kn; ++j) {
-            const auto* k = kd + at[l0 + j] + g * D;
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = widen(k[d]);
-          }
-          for (int64_t j = kn; j < LANES; ++j)
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + j] = 0.f;
-          for (int64_t i = i0; i < i1; ++i) {
-            const int64_t n = first + i + 1;
-            if (n <= l0) continue;
-            for (int64_t h = 0; h < rep; ++h) {
-              const float* qr = qd + ((qsl[r] + i) * H + g * rep + h) * D;
-              vec acc = {};
-              for (int64_t d = 0; d < D; ++d) acc += qr[d] * load_lanes(kt.data() + d * LANES);
-              acc *= fscale;
-              float* s = scores.data() + ((i - i0) * rep + h) * n_max + l0;
-              const int64_t m = std::min<int64_t>(kn, n - l0);
-              for (int64_t j = 0; j < m; ++j) s[j] = acc[j];
-            }
-          }
-        }
-        for (int64_t i = i0; i < i1; ++i)  // then each query's softmax and value sums, this kv head's rep heads
-          value_sums(scores.data() + (i - i0) * rep * n_max, n_max, first + i + 1, rep, g * rep, rep, D, vd, at.data(),
-                     od + ((qsl[r] + i) * H + g * rep) * D);
+      const int64_t first = lens[r] - (qsl[r + 1] - qsl[r]);  // keys before the request's first query
+      sc.at.resize(first + i1);                                // the keys the tile's last query sees
+      for (int64_t l = 0; l < first + i1; ++l) sc.at[l] = (table[l / BS] * BS + l % BS) * K * D;
+      sc.scores.resize(heads * (first + i1));
+      for (int64_t i = i0; i < i1; ++i) {  // each query over its own keys, key by key, each slot read once
+        const int64_t row = qsl[r] + i, n = first + i + 1;
+        decode_scores(qd + (row * H + h_first) * D, kd, vd, sc.at.data(), n, heads, h_first, rep, D, fscale,
+                      sc.scores.data());
+        value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, sc.at.data(), od + (row * H + h_first) * D);
       }
     });
     if (!split.empty()) split_decode(split, qd, kd, vd, od, tables, W, BS, H, K, D, fscale, split_keys);
