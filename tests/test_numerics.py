@@ -137,6 +137,24 @@ def test_int8_keeps_each_requests_tokens_whatever_the_batch_and_the_chunking(mod
     assert together == [alone.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("fmt", [dict(), dict(weights="gguf", activations="int8")])
+def test_a_prefix_hit_gives_a_prompt_the_bits_of_computing_it_whole(model_dir, fmt):
+    """A prompt whose first 288 tokens are found in the prefix cache computes only the rest, over the cached keys:
+    the same tokens and log-probabilities, to the bit, as in an engine that computes it whole."""
+    from nanoserve.bench.harness import prose
+
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    llm = LLM(model_dir, **fmt)
+    system = prose(llm.tokenizer, 300, offset=11)
+    llm.generate([{"prompt_token_ids": system + prose(llm.tokenizer, 20, offset=200)}], sp, use_tqdm=False)
+    b = {"prompt_token_ids": system + prose(llm.tokenizer, 25, offset=400)}
+    (hit,) = llm.generate([b], sp, use_tqdm=False)
+    (whole,) = LLM(model_dir, **fmt).generate([b], sp, use_tqdm=False)
+    assert hit.num_cached_tokens == 288 and whole.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == whole.outputs[0].token_ids
+    assert hit.outputs[0].logprobs == whole.outputs[0].logprobs
+
+
 def test_llm_takes_the_formats_by_keyword(model_dir):
     llm = LLM(model_dir, weights="gguf", activations="int8", num_blocks=32)
     assert llm.model.activations == "int8"
