@@ -10,7 +10,8 @@ then the LM head at each request's last token. Its logits are the Python forward
 It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`; each
 matrix takes the product `linear` gives it, on fp32 or int8 activations), with the compiled kernels on, and to
 a step whose requests all have keys cached before their new tokens (decode tokens, and chunks after a cached
-context): a whole prompt runs the Python forward, whose products on many rows this call does not have.
+context): a whole prompt runs the Python forward (on a bf16 pool its attention takes a prompt kernel this
+call does not have; beside a prompt's products, Python's share of a step is small).
 
     >>> step = BlockStep.of(model)                       # None unless the model is on blocks  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
