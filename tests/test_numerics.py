@@ -11,6 +11,7 @@ from prompts import NEAR_TIE, PROMPTS, prompt_ids
 
 import nanoserve
 from nanoserve import LLM, SamplingParams, generate, kernels
+from nanoserve.bench.harness import prose
 from nanoserve.cli import build_parser
 from nanoserve.engine import LLMEngine
 from nanoserve.kernels import int8
@@ -125,8 +126,6 @@ def test_int8_keeps_each_requests_tokens_whatever_the_batch_and_the_chunking(mod
     """int8 rounds every product's input, so a last-bit difference in attention can move a token. Every query row
     is computed alone over its own keys, so batched with others under a small step budget (prompts cut into
     chunks, decode rows beside prompt rows) each request gets the tokens it gets alone."""
-    from nanoserve.bench.harness import prose
-
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     busy = LLM(model_dir, weights="gguf", activations="int8", max_num_batched_tokens=64)
     prompts = [{"prompt_token_ids": prose(busy.tokenizer, n, offset=o)}
@@ -141,8 +140,6 @@ def test_int8_keeps_each_requests_tokens_whatever_the_batch_and_the_chunking(mod
 def test_a_prefix_hit_gives_a_prompt_the_bits_of_computing_it_whole(model_dir, fmt):
     """A prompt whose first 288 tokens are found in the prefix cache computes only the rest, over the cached keys:
     the same tokens and log-probabilities, to the bit, as in an engine that computes it whole."""
-    from nanoserve.bench.harness import prose
-
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     llm = LLM(model_dir, **fmt)
     system = prose(llm.tokenizer, 300, offset=11)

@@ -23,6 +23,7 @@ from nanoserve.engine.spec import NgramIndex, Proposal, expected_tokens_per_forw
 from nanoserve.generate import generate
 from nanoserve.kv.blocks import BlockManager
 from nanoserve.kv.prefix import chain_hashes
+from nanoserve.loader import load
 from nanoserve.model import Llama
 from nanoserve.sampling import SamplingParams
 from nanoserve.stages import PagedSession, paged_session, run_session
@@ -281,8 +282,6 @@ def test_speculative_tokens_are_plain_greedys_in_the_rounded_formats_too(model_d
     """bf16 and int8 round their numbers, so a last-bit difference between a verify step and a decode step can
     change a rounded value and then a token. A verify step computes each row as a decode step does: the tokens
     are plain greedy's, every one."""
-    from nanoserve.loader import load
-
     rounded, tok = load(model_dir, **fmt)
     for name in ("copy", "summary"):
         ids = tok.encode_chat([{"role": "user", "content": REAL_PROMPTS[name]}])
