@@ -298,7 +298,7 @@ inline vec pairs(vec a, vec b) {
 // hsums take 64. The stages leave input k in lane REV[k]; fed in REV's order (a bit reversal is its own
 // inverse), key j comes out in lane j.
 constexpr int REV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-inline vec tree16(const vec* a) {
+__attribute__((always_inline)) inline vec tree16(const vec* a) {
   vec t[8], u[4];
   for (int m = 0; m < 8; ++m) t[m] = halves(a[REV[2 * m]], a[REV[2 * m + 1]]);
   for (int m = 0; m < 4; ++m) u[m] = quarters(t[2 * m], t[2 * m + 1]);
@@ -309,42 +309,60 @@ inline vec tree16(const vec* a) {
 // start at kd + at[l]: scores[h * n + l] = dot(q_h, k_l) * scale. Key by key, each slot read once for every
 // head; with D a multiple of LANES, each score's running sums are kept (dot's, lane for lane) and every LANES
 // keys reduced together (tree16), a shared tree in place of a horizontal sum per score. A decode step's keys
-// come from memory, not cache (the weights streamed since their layer last ran), so each key's numbers are
-// asked for AHEAD keys before their turn, and its values (read once the scores are done, at vd + at[l]) now.
+// come from memory, not cache (the weights streamed since their layer last ran), so with `fetch` each key's
+// numbers are asked for AHEAD keys before their turn, and its values (read once the scores are done, at vd +
+// at[l]) now; the later rows of a prompt's tile find them in cache and skip the asking.
 template <class T>
 void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* at, int64_t n, int64_t heads,
-                   int64_t h_first, int64_t rep, int64_t D, float scale, float* scores) {
+                   int64_t h_first, int64_t rep, int64_t D, float scale, float* scores, bool fetch = true) {
   constexpr int64_t AHEAD = 16;
-  const int64_t span0 = (h_first / rep) * D, span1 = ((h_first + heads - 1) / rep + 1) * D;  // the kv heads read
-  const bool tiles = D % LANES == 0;
-  std::vector<vec> sums(tiles ? heads * LANES : 0);  // (head, key of the tile): running sums
-  std::vector<int64_t> kv(heads);                    // where each head's kv head starts in a slot
-  for (int64_t h = 0; h < heads; ++h) kv[h] = ((h_first + h) / rep) * D;
-  for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
-    for (int64_t d = span0; d < span1; d += 16) __builtin_prefetch(kd + at[l] + d);
-  const int64_t tiled = tiles ? n / LANES * LANES : 0;  // keys reduced LANES at a time; the rest one by one
-  for (int64_t l = 0; l < n; ++l) {
-    const T* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
-    for (int64_t d = span0; d < span1; d += 16) {
-      __builtin_prefetch(ahead + d);
-      __builtin_prefetch(vd + at[l] + d, 0, 2);
-    }
-    if (l >= tiled) {
-      for (int64_t h = 0; h < heads; ++h) scores[h * n + l] = dot(qrow + h * D, kd + at[l] + kv[h], D) * scale;
-      continue;
-    }
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* q = qrow + h * D;
-      const T* k = kd + at[l] + kv[h];
-      vec acc = {};
-      for (int64_t i = 0; i < D; i += LANES) acc += load_lanes(q + i) * load_lanes(k + i);
-      sums[h * LANES + l % LANES] = acc;
-    }
-    if (l % LANES == LANES - 1)
-      for (int64_t h = 0; h < heads; ++h) {
-        store_lanes(scores + h * n + l - (LANES - 1), tree16(sums.data() + h * LANES) * scale);
+  const int64_t g0 = h_first / rep, g1 = (h_first + heads - 1) / rep + 1;  // the kv heads read
+  const int64_t DV = D % LANES == 0 && D <= 8 * LANES ? D / LANES : 0;  // a query head's registers (0: none)
+  const int64_t tiled = DV ? n / LANES * LANES : 0;  // keys reduced LANES at a time; the rest one by one (dot)
+  thread_local std::vector<vec> sums;  // (head, key of the tile): running sums
+  if (static_cast<int64_t>(sums.size()) < heads * LANES) sums.resize(heads * LANES);
+  if (fetch)
+    for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
+      for (int64_t d = g0 * D; d < g1 * D; d += 16) __builtin_prefetch(kd + at[l] + d);
+  // one key's running sums for every head: its kv heads' numbers loaded once each (DV registers), then each
+  // query head that shares one multiplies them, in dot's order (lane j: q_j k_j + q_{j+LANES} k_{j+LANES} + ...)
+  const auto key_sums = [&](auto dv, int64_t l) {
+    constexpr int DV = decltype(dv)::value;
+    for (int64_t g = g0; g < g1; ++g) {
+      const T* k = kd + at[l] + g * D;
+      vec kr[DV];
+      for (int i = 0; i < DV; ++i) kr[i] = load_lanes(k + i * LANES);
+      for (int64_t h = std::max(g * rep, h_first); h < std::min((g + 1) * rep, h_first + heads); ++h) {
+        const float* q = qrow + (h - h_first) * D;
+        vec acc = {};
+        for (int i = 0; i < DV; ++i) acc += load_lanes(q + i * LANES) * kr[i];
+        sums[(h - h_first) * LANES + l % LANES] = acc;
       }
-  }
+    }
+  };
+  const auto keys = [&](auto dv) {
+    for (int64_t l = 0; l < n; ++l) {
+      if (fetch) {
+        const T* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
+        for (int64_t d = g0 * D; d < g1 * D; d += 16) {
+          __builtin_prefetch(ahead + d);
+          __builtin_prefetch(vd + at[l] + d, 0, 2);
+        }
+      }
+      if (l >= tiled) {
+        for (int64_t h = 0; h < heads; ++h)
+          scores[h * n + l] = dot(qrow + h * D, kd + at[l] + ((h_first + h) / rep) * D, D) * scale;
+        continue;
+      }
+      if constexpr (decltype(dv)::value > 0) key_sums(dv, l);
+      if (l % LANES == LANES - 1)
+        for (int64_t h = 0; h < heads; ++h) {
+          store_lanes(scores + h * n + l - (LANES - 1), tree16(sums.data() + h * LANES) * scale);
+        }
+    }
+  };
+  if (DV) with_rows<8>(DV, keys);
+  else keys(std::integral_constant<int, 0>{});  // every key by dot (the same bits: tree16 adds as hsum does)
 }
 
 void check_f32(const torch::Tensor& t, const char* name) {
@@ -596,6 +614,14 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
 
 namespace {
 
+// at[j] = where key l0 + j's slot starts in the pool (j < n), block by block: no division per key.
+inline void key_slots(const int64_t* table, int64_t l0, int64_t n, int64_t BS, int64_t slot, int64_t* at) {
+  for (int64_t j = 0, l = l0; j < n;) {
+    const int64_t end = std::min(n, j + BS - l % BS);
+    for (int64_t base = (table[l / BS] * BS + l % BS) * slot; j < end; ++j, ++l, base += slot) at[j] = base;
+  }
+}
+
 // Split-K for rows of more than P keys (flash-decoding): the keys of a row (request r's query at q row `row`,
 // over `keys` keys; rows = {r, row, keys}) are cut into pieces of P keys,
 // and each piece is a task that leaves, for every query head, the piece's online-softmax state: max m, sum l
@@ -628,11 +654,12 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
     const int64_t r = rows[s0][0], l0 = p * P, most = std::min(P, rows[s1 - 1][2] - l0);
     sc.scores.resize(H * most);
     sc.at.resize(most);
-    for (int64_t j = 0; j < most; ++j) sc.at[j] = (tables[r * W + (l0 + j) / BS] * BS + (l0 + j) % BS) * K * D;
-    for (int64_t s = s0; s < s1; ++s) {
+    key_slots(tables + r * W, l0, most, BS, K * D, sc.at.data());
+    for (int64_t s = s0, fetched = 0; s < s1; ++s) {
       if (rows[s][2] <= l0) continue;  // this row's keys end before the piece
       const int64_t n = std::min(P, rows[s][2] - l0), piece = first[s] + p;
-      decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data());
+      decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data(),
+                    !fetched++);
       value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
                  m.data() + piece * H, l.data() + piece * H);
     }
@@ -750,12 +777,12 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
       const int64_t* table = tables + r * W;
       const int64_t first = lens[r] - (qsl[r + 1] - qsl[r]);  // keys before the request's first query
       sc.at.resize(first + i1);                                // the keys the tile's last query sees
-      for (int64_t l = 0; l < first + i1; ++l) sc.at[l] = (table[l / BS] * BS + l % BS) * K * D;
+      key_slots(table, 0, first + i1, BS, K * D, sc.at.data());
       sc.scores.resize(heads * (first + i1));
       for (int64_t i = i0; i < i1; ++i) {  // each query over its own keys, key by key, each slot read once
         const int64_t row = qsl[r] + i, n = first + i + 1;
         decode_scores(qd + (row * H + h_first) * D, kd, vd, sc.at.data(), n, heads, h_first, rep, D, fscale,
-                      sc.scores.data());
+                      sc.scores.data(), i == i0);
         value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, sc.at.data(), od + (row * H + h_first) * D);
       }
     });
