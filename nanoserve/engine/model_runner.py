@@ -70,7 +70,7 @@ class ModelRunner:
         ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if pad_one else 1)))
         rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
-        if self.block_step is not None and applies(md):
+        if self.block_step is not None and applies(md, self.storage.k.dtype == torch.bfloat16):
             return self.block_step(ids, md, self.storage, rows)
         backend = PagedAttention(self.storage, md, self.attention)
         h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.kernels)[0]  # (N, C)

@@ -9,9 +9,10 @@ then the LM head at each request's last token. Its logits are the Python forward
 
 It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`; each
 matrix takes the product `linear` gives it, on fp32 or int8 activations), with the compiled kernels on, and to
-a step whose requests all have keys cached before their new tokens (decode tokens, and chunks after a cached
-context): a whole prompt runs the Python forward (on a bf16 pool its attention takes a prompt kernel this
-call does not have; beside a prompt's products, Python's share of a step is small).
+every step on an fp32 K/V pool: decode tokens, chunks after a cached context, whole prompts, which the paged
+kernel computes as it does any row. On a bf16 pool a whole prompt's attention takes a kernel with bf16 products
+(`attention.causal.bf16_prompt_attention`) that this call does not have, so a step holding one runs the Python
+forward.
 
     >>> step = BlockStep.of(model)                       # None unless the model is on blocks  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
@@ -30,10 +31,10 @@ from .matmul import BlockWeight
 NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
 
 
-def applies(md: AttentionMetadata) -> bool:
-    """Whether a step may run compiled: no request computes a whole prompt (every one attends over keys
-    already in the cache, which the paged kernel reads where they lie)."""
-    return all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host))
+def applies(md: AttentionMetadata, bf16_pool: bool = False) -> bool:
+    """Whether a step may run compiled: on an fp32 pool always; on a bf16 pool when no request computes a whole
+    prompt (every one attends over keys already in the cache, which the paged kernel reads where they lie)."""
+    return not bf16_pool or all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host))
 
 
 class BlockStep:

@@ -1,7 +1,7 @@
-"""The compiled step of a model on blocks (`model.compiled`): the Python forward's logits bit for bit, on decode
-steps and chunks after a cached context, ragged batches, any block size, fp32 or int8 activations; the same K/V
-written into the pool; whole prompts and models off blocks left to the Python forward; bad metadata refused by
-name."""
+"""The compiled step of a model on blocks (`model.compiled`): the Python forward's logits bit for bit, on whole
+prompts, decode steps and chunks after a cached context, ragged batches, any block size, fp32 or int8
+activations; the same K/V written into the pool; whole prompts on a bf16 pool and models off blocks left to the
+Python forward; bad metadata refused by name."""
 
 import pytest
 import torch
@@ -35,8 +35,9 @@ def runners(model, num_blocks: int, block_size: int):
 
 
 def run_both(manager, fast, slow, prompts, steps, seed=0):
-    """Prefill each prompt (the Python forward: whole prompts), then `steps` rounds of mixed work: every request
-    decodes one token, except that some take a chunk of several; returns the logits of both runners per step."""
+    """Prefill every prompt in one step (whole prompts: compiled on an fp32 pool, the Python forward on a bf16 one),
+    then `steps` rounds of mixed work: every request decodes one token, except that some take a chunk of several;
+    returns the logits of both runners per step."""
     g = torch.Generator().manual_seed(seed)
     out = []
     tables = [manager.new_table() for _ in prompts]
@@ -70,14 +71,14 @@ def test_compiled_steps_are_the_python_forward_bit_for_bit(tiny_blocks, block_si
 
 
 def test_the_compiled_step_reads_any_rows_and_none(tiny_blocks):
-    """Speculative verification reads a request's last rows, a prompt's middle chunk none: the same bits as the
-    Python forward's rows, and the k/v written either way."""
+    """Prompt log-probabilities read every row of a prompt, speculative verification a request's last rows, a
+    prompt's middle chunk none: the same bits as the Python forward's rows, and the k/v written either way."""
     manager, fast, slow = runners(tiny_blocks, 64, 4)
     tables = [manager.new_table() for _ in range(2)]
     for t, p in zip(tables, ([5, 6, 7, 8, 9], list(range(20, 31)))):
         manager.append_slots(t, p)
-        for r in (fast, slow):
-            r.execute([Chunk(p, 0, t.blocks)])
+        f, s = (r.execute([Chunk(p, 0, t.blocks)], num_logits=[len(p)]) for r in (fast, slow))  # prompt logprobs
+        assert f.shape == (len(p), tiny_blocks.cfg.vocab_size) and torch.equal(f, s)
     chunks = []
     for t, new in zip(tables, ([40, 41, 42, 43], [50, 51])):
         start = t.num_tokens
@@ -99,7 +100,8 @@ def test_a_lone_request_in_the_engine_takes_the_compiled_step(tiny_blocks, monke
     engine.add_request([5, 6, 7], nanoserve.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
-    assert len(calls) == 5  # every step but the prefill (a whole prompt: torch's fused attention)
+    bf16_pool = engine.runner.storage.k.dtype == torch.bfloat16
+    assert len(calls) == (5 if bf16_pool else 6)  # a whole prompt on a bf16 pool: its bf16 prompt kernel
 
 
 def test_a_row_has_the_same_bits_alone_and_in_a_batch(tiny_blocks):
@@ -118,11 +120,11 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(tiny_blocks):
         assert torch.equal(fast.execute([Chunk([7], s, t.blocks)])[0], together[r])
 
 
-def test_whole_prompts_and_models_off_blocks_take_the_python_forward(tiny_model, tiny_blocks):
+def test_whole_prompts_on_a_bf16_pool_and_models_off_blocks_take_the_python_forward(tiny_model, tiny_blocks):
     _, md = prepare([Chunk([1, 2, 3], 0, [0]), Chunk([4], 5, [1, 2])], 4)
-    assert not applies(md)  # the first request is a whole prompt
+    assert applies(md) and not applies(md, bf16_pool=True)  # the first request is a whole prompt
     _, md = prepare([Chunk([1, 2, 3], 2, [0, 1]), Chunk([4], 5, [1, 2])], 4)
-    assert applies(md)
+    assert applies(md) and applies(md, bf16_pool=True)
     assert BlockStep.of(tiny_model) is None  # fp32 matrices
     runner = ModelRunner(tiny_blocks, KVStorage(tiny_blocks.cfg, 8, 4), kernels=False)
     assert runner.block_step is None  # torch's ops asked for: the Python forward on them
