@@ -1,14 +1,16 @@
-"""A model on GGUF blocks, stepped by one compiled call (`kernels/csrc/step.cpp`).
+"""A model on GGUF blocks or fp32 tiles, stepped by one compiled call (`kernels/csrc/step.cpp`).
 
-On the blocks a decode step's weight products stream a fifth of the fp32 bytes, and what is left is
-Python: `Llama.hidden_states` makes some three hundred small calls per step (norms, views, the backend's
-writes, the products' dispatch), each a few microseconds, and at batch 1 they add up to as much time as
-the products. `BlockStep` runs the same loops in the same order from C++: the embedding rows, every layer,
-then the LM head at each request's last token. Its logits are the Python forward's bit for bit
+`Llama.hidden_states` makes some three hundred small calls per step (norms, views, the backend's writes,
+the products' dispatch), each a few microseconds: on the blocks, whose decode step streams a fifth of the fp32
+bytes, they add up at batch 1 to as much time as the products, and beside fp32's products to a sixth or so of
+a step. `BlockStep` runs the same loops in the same order from C++: the embedding rows, every layer, then the
+LM head at each request's last token. Its logits are the Python forward's bit for bit
 (tests/model/test_compiled.py); the Python forward stays the definition, and runs wherever this does not apply.
 
-It applies to a model whose every matrix, and its token table, is a `BlockWeight` (`model.gguf_weights`; each
-matrix takes the product `linear` gives it, on fp32 or int8 activations), with the compiled kernels on, and to
+It applies to a model whose every matrix is a `BlockWeight` (`model.gguf_weights`; each takes the product
+`linear` gives it, on fp32 or int8 activations) or an fp32 matrix with its tiles (`matmul.tiled`: x86 CPUs,
+`Llama.pack_weights`) of a multiple of 16 outputs, with the compiled kernels on; the weights as they are when
+the step is made (a matrix written later leaves its tiles behind, and the step with them). And to
 every step on an fp32 K/V pool: decode tokens, chunks after a cached context, whole prompts, which the paged
 kernel computes as it does any row. On a bf16 pool a whole prompt's attention takes a kernel with bf16 products
 (`attention.causal.bf16_prompt_attention`) that this call does not have, so a step holding one runs the Python
@@ -26,7 +28,7 @@ from torch import Tensor
 from .. import kernels
 from ..attention.metadata import AttentionMetadata
 from .llama import Llama
-from .matmul import BlockWeight
+from .matmul import BlockWeight, tiled
 
 NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
 
@@ -37,6 +39,19 @@ def applies(md: AttentionMetadata, bf16_pool: bool = False) -> bool:
     return not bf16_pool or all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host))
 
 
+def _stepped(w: Tensor | BlockWeight) -> bool:
+    """Whether the compiled step multiplies by w: GGUF blocks, or an fp32 matrix's tiles, whole tiles only."""
+    return isinstance(w, BlockWeight) or (w.dtype == torch.float32 and w.shape[0] % 16 == 0 and tiled(w) is not None)
+
+
+def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
+    """What `BlockModel` reads of a matrix: its blocks or tiles, their format, int8 activations or not, and the
+    blocks' packed copy (or none)."""
+    if isinstance(w, BlockWeight):
+        return w.blocks, w.fmt, w.activations == "int8", p if (p := w.int8_packed()) is not None else NO_PACKED
+    return tiled(w), "f32", False, NO_PACKED
+
+
 class BlockStep:
     """The model's weights handed to the compiled `BlockModel` once (checked there), then one call per step."""
 
@@ -45,19 +60,20 @@ class BlockStep:
 
     @classmethod
     def of(cls, model: Llama) -> BlockStep | None:
-        """The compiled step of `model`, or None where it cannot run: a matrix not on blocks, not fp32, or no
-        compiled kernels."""
+        """The compiled step of `model`, or None where it cannot run: a matrix neither on blocks nor fp32 tiles,
+        activations not fp32, or no compiled kernels."""
         mats = model.matrices()
-        if model.dtype != torch.float32 or not all(isinstance(m, BlockWeight) for m in mats) \
-                or not isinstance(model.embed, BlockWeight) or not kernels.available():
+        if model.dtype != torch.float32 or not kernels.available() or not all(map(_stepped, mats)) \
+                or not isinstance(model.embed, BlockWeight | Tensor):
             return None
+        weights, fmts, int8, packed = zip(*map(_held, mats))
         norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
-        cfg = model.cfg
+        cfg, embed = model.cfg, model.embed
+        blocks = isinstance(embed, BlockWeight)
         compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
-            model.embed.blocks, model.embed.fmt, [n.detach().contiguous() for n in norms], [m.blocks for m in mats],
-            [m.fmt for m in mats], [m.activations == "int8" for m in mats],
-            [p if (p := m.int8_packed()) is not None else NO_PACKED for m in mats], cfg.n_heads, cfg.n_kv_heads,
-            cfg.rms_norm_eps, model.kv_dtype == torch.bfloat16)
+            embed.blocks if blocks else embed.detach(), embed.fmt if blocks else "f32",
+            [n.detach().contiguous() for n in norms], list(weights), list(fmts), list(int8), list(packed),
+            cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps, model.kv_dtype == torch.bfloat16)
         return cls(model, compiled)
 
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,

@@ -112,8 +112,8 @@ class StaticBatch:
     what Day 29 varies.
 
     `kernels`: the ModelRunner's choice (None: the compiled kernels where they run, True insists,
-    False: torch's ops), and `compiled_step` its (a model on blocks stepped by one compiled call where
-    it can; False: the Python forward). Either way a row's tokens do not depend on the rows beside it.
+    False: torch's ops), and `compiled_step` its (a model on blocks or fp32 tiles stepped by one compiled
+    call where it can; False: the Python forward). Either way a row's tokens do not depend on the rows beside it.
     """
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],

@@ -1,7 +1,7 @@
-"""The compiled step of a model on blocks (`model.compiled`): the Python forward's logits bit for bit, on whole
-prompts, decode steps and chunks after a cached context, ragged batches, any block size, fp32 or int8
-activations; the same K/V written into the pool; whole prompts on a bf16 pool and models off blocks left to the
-Python forward; bad metadata refused by name."""
+"""The compiled step of a model on blocks or fp32 tiles (`model.compiled`): the Python forward's logits bit for
+bit, on whole prompts, decode steps and chunks after a cached context, ragged batches, any block size, blocks on
+fp32 or int8 activations; the same K/V written into the pool; whole prompts on a bf16 pool and models off blocks
+and tiles left to the Python forward; bad metadata refused by name."""
 
 import pytest
 import torch
@@ -15,11 +15,18 @@ from nanoserve.kv import BlockManager, KVStorage
 from nanoserve.model import Llama
 from nanoserve.model.compiled import BlockStep, applies
 from nanoserve.model.gguf_weights import set_activations, to_blocks
+from nanoserve.model.matmul import tiled
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V"])
+@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V", "fp32 tiles"])
 def tiny_blocks(request, tiny_cfg, compiled):
-    """A tiny model on blocks, its products on fp32 activations, then on int8 ones, then with a bf16 K/V cache."""
+    """A tiny model on blocks, its products on fp32 activations, then on int8 ones, then with a bf16 K/V cache;
+    then an fp32 model with its tiles (x86 CPUs only: elsewhere no fp32 matrix has tiles)."""
+    if request.param == "fp32 tiles":
+        model = Llama.random(tiny_cfg, seed=5)
+        if not model.pack_weights() or tiled(model.layers[0].wqkv) is None:
+            pytest.skip("no fp32 tiles on this CPU")
+        return model
     model = to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param.split(",")[0])
     return model.round_kv(torch.bfloat16) if "bf16" in request.param else model
 
@@ -125,7 +132,7 @@ def test_whole_prompts_on_a_bf16_pool_and_models_off_blocks_take_the_python_forw
     assert applies(md) and not applies(md, bf16_pool=True)  # the first request is a whole prompt
     _, md = prepare([Chunk([1, 2, 3], 2, [0, 1]), Chunk([4], 5, [1, 2])], 4)
     assert applies(md) and applies(md, bf16_pool=True)
-    assert BlockStep.of(tiny_model) is None  # fp32 matrices
+    assert BlockStep.of(tiny_model) is None  # fp32 matrices without tiles (never packed)
     runner = ModelRunner(tiny_blocks, KVStorage(tiny_blocks.cfg, 8, 4), kernels=False)
     assert runner.block_step is None  # torch's ops asked for: the Python forward on them
 

@@ -226,15 +226,17 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N) {
   const torch::Tensor xr = x.contiguous();
   torch::Tensor out = K == 0 ? torch::zeros({M, width}, x.options()) : torch::empty({M, width}, x.options());
   if (M == 0 || K == 0 || nt == 0) return out.narrow(1, 0, N).contiguous();
-  const float* xp = xr.data_ptr<float>();
-  const float* wp = tiles.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t want = at::get_num_threads() * TASKS_PER_THREAD;
+  fp32_product(tiles.data_ptr<float>(), nt, K, xr.data_ptr<float>(), M, out.data_ptr<float>());
+  return width == N ? out : out.narrow(1, 0, N).contiguous();
+}
+
+// fp32_linear on raw numbers (step.cpp): x (M, K) times nt tiles -> out (M, nt * TILE).
+void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out) {
+  const int64_t want = at::get_num_threads() * TASKS_PER_THREAD, width = nt * TILE;
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
   for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per, n = std::min(per, nt - t0);
-    if (M < MANY) few_rows(xp, M, K, wp + t0 * K * TILE, n, width, op + t0 * TILE);
-    else many_rows(xp, M, K, wp + t0 * K * TILE, n, width, op + t0 * TILE);
+    if (M < MANY) few_rows(x, M, K, tiles + t0 * K * TILE, n, width, out + t0 * TILE);
+    else many_rows(x, M, K, tiles + t0 * K * TILE, n, width, out + t0 * TILE);
   });
-  return width == N ? out : out.narrow(1, 0, N).contiguous();
 }

@@ -1,6 +1,6 @@
-// A model held on GGUF blocks, stepped by one call (nanoserve/model/compiled.py says when it runs and why):
-// the embedding rows, every layer of the Python forward (model/llama.py, Block.forward), then the LM head at
-// each request's last token. It runs the loops the Python forward reaches, in the same order, on the same rows,
+// A model held on GGUF blocks or fp32 tiles, stepped by one call (nanoserve/model/compiled.py says when it runs
+// and why): the embedding rows, every layer of the Python forward (model/llama.py, Block.forward), then the LM
+// head at each request's last token. It runs the loops the Python forward reaches, in the same order, on the same rows,
 // so its logits are that forward's bit for bit; what it saves is the Python and the tensor bookkeeping between.
 #include "nanoserve.h"
 
@@ -9,9 +9,11 @@
 namespace {
 
 int64_t block_bytes(const std::string& fmt, const char* what, int64_t i) {
-  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1 or q8_0");
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1, q8_0 or f32");
   return fmt == "q4_1" ? 20 : 34;
 }
+
+constexpr int64_t FP32_TILE = 16;  // outputs per tile of pack_fp32
 
 void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && (n < 0 || t.numel() == n), name,
@@ -39,6 +41,16 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   TORCH_CHECK(norms[0].dim() == 1, "norms: expected vectors");
   C_ = norms[0].numel();
   auto matrix = [&](const torch::Tensor& t, const std::string& fmt, int64_t cols, const char* what, int64_t i) {
+    if (fmt == "f32") {
+      TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.is_contiguous() && t.size(1) == cols &&
+                      t.size(2) == FP32_TILE,
+                  what, " ", i, ": expected the contiguous float32 tiles (outputs / 16, ", cols, ", 16) of pack_fp32, "
+                  "got ", t.scalar_type(), " ", t.sizes());
+      keep_.push_back(t);
+      Matrix m{nullptr, false, t.size(0) * FP32_TILE, cols, false, nullptr};
+      m.tiles = t.data_ptr<float>();
+      return m;
+    }
     const int64_t bytes = block_bytes(fmt, what, i);
     TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % 32 == 0 &&
                     t.size(1) == cols / 32 * bytes,
@@ -47,7 +59,17 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     keep_.push_back(t);
     return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols, false, nullptr};
   };
-  embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
+  if (embed_fmt == "f32") {
+    TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && embed.dim() == 2 && embed.size(1) == C_,
+                "embed: expected a float32 (vocabulary, ", C_, ") table, got ", embed.scalar_type(), " ", embed.sizes());
+    keep_.push_back(embed);
+    embed_ = Matrix{nullptr, false, embed.size(0), C_, false, nullptr};
+    embed_f32_ = embed.data_ptr<float>();
+    embed_rs_ = embed.stride(0);
+    embed_cs_ = embed.stride(1);
+  } else {
+    embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
+  }
   for (const auto& w : norms) {
     TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == C_,
                 "norms: expected contiguous float32 weights of ", C_, " numbers");
@@ -70,12 +92,13 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   }
   mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
   for (size_t i = 0; i < mats_.size(); ++i) {
+    TORCH_CHECK(!int8[i] || !mats_[i].tiles, "int8 ", i, ": int8 activations are for a matrix of blocks, not f32");
     mats_[i].int8 = int8[i];
     if (packed[i].numel() == 0) continue;
     const Matrix& m = mats_[i];
     const int64_t row_bytes = m.cols / 32 * (m.q4_1 ? 20 : 34);
-    TORCH_CHECK(int8[i] && int8_packed_here(), "packed ", i, ": a packed layout is read by an x86 int8 road, for a "
-                "matrix on int8 activations");
+    TORCH_CHECK(int8[i] && int8_packed_here() && !m.tiles, "packed ", i, ": a packed layout is read by an x86 int8 "
+                "road, for a matrix of blocks on int8 activations");
     TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
                 packed[i].numel() == (m.rows + 3) / 4 * 4 * row_bytes,
                 "packed ", i, ": expected the ", (m.rows + 3) / 4 * 4 * row_bytes, " bytes pack_blocks_int8 makes");
@@ -152,9 +175,15 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
   }
-  dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
+  if (embed_f32_) {  // each token's row of the fp32 table, as `embedding` copies it
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t c = 0; c < C; ++c) xs[i * C + c] = embed_f32_[id[i] * embed_rs_ + c * embed_cs_];
+  } else {
+    dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
+  }
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
-    if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
+    if (w.tiles) fp32_product(w.tiles, w.rows / FP32_TILE, w.cols, x, rows, out);
+    else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
     else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
   };
