@@ -1,4 +1,4 @@
-"""A model on GGUF blocks or fp32 tiles, stepped by one compiled call (`kernels/csrc/step.cpp`).
+"""A model on GGUF blocks or on tiles, stepped by one compiled call (`kernels/csrc/step.cpp`).
 
 `Llama.hidden_states` makes some three hundred small calls per step (norms, views, the backend's writes,
 the products' dispatch), each a few microseconds: on the blocks, whose decode step streams a fifth of the fp32
@@ -8,9 +8,10 @@ LM head at each request's last token. Its logits are the Python forward's bit fo
 (tests/model/test_compiled.py); the Python forward stays the definition, and runs wherever this does not apply.
 
 It applies to a model whose every matrix is a `BlockWeight` (`model.gguf_weights`; each takes the product
-`linear` gives it, on fp32 or int8 activations) or an fp32 matrix with its tiles (`matmul.tiled`: x86 CPUs,
-`Llama.pack_weights`) of a multiple of 16 outputs, with the compiled kernels on; the weights as they are when
-the step is made (a matrix written later leaves its tiles behind, and the step with them). And to
+`linear` gives it, on fp32 or int8 activations) or a matrix with its tiles (`matmul.tiled`, `Llama.pack_weights`:
+fp32 on x86 CPUs; bf16, every matrix of a `cast_matrices` model, on AVX512_BF16 ones, each product then taking
+and giving bf16 as `linear` does) of a multiple of 16 outputs, with the compiled kernels on; the weights as they
+are when the step is made (a matrix written later leaves its tiles behind, and the step with them). And to
 every step on an fp32 K/V pool: decode tokens, chunks after a cached context, whole prompts, which the paged
 kernel computes as it does any row. On a bf16 pool a whole prompt's attention takes a kernel with bf16 products
 (`attention.causal.bf16_prompt_attention`) that this call does not have, so a step holding one runs the Python
@@ -40,8 +41,12 @@ def applies(md: AttentionMetadata, bf16_pool: bool = False) -> bool:
 
 
 def _stepped(w: Tensor | BlockWeight) -> bool:
-    """Whether the compiled step multiplies by w: GGUF blocks, or an fp32 matrix's tiles, whole tiles only."""
-    return isinstance(w, BlockWeight) or (w.dtype == torch.float32 and w.shape[0] % 16 == 0 and tiled(w) is not None)
+    """Whether the compiled step multiplies by w: GGUF blocks, or an fp32 or bf16 matrix's tiles, whole tiles
+    only (bf16: an even number of inputs, which its tiles take in pairs)."""
+    if isinstance(w, BlockWeight):
+        return True
+    whole = w.shape[0] % 16 == 0 and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0))
+    return whole and tiled(w) is not None
 
 
 def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
@@ -49,7 +54,7 @@ def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
     blocks' packed copy (or none)."""
     if isinstance(w, BlockWeight):
         return w.blocks, w.fmt, w.activations == "int8", p if (p := w.int8_packed()) is not None else NO_PACKED
-    return tiled(w), "f32", False, NO_PACKED
+    return tiled(w), "f32" if w.dtype == torch.float32 else "bf16", False, NO_PACKED
 
 
 class BlockStep:
@@ -60,18 +65,23 @@ class BlockStep:
 
     @classmethod
     def of(cls, model: Llama) -> BlockStep | None:
-        """The compiled step of `model`, or None where it cannot run: a matrix neither on blocks nor fp32 tiles,
-        activations not fp32, or no compiled kernels."""
+        """The compiled step of `model`, or None where it cannot run: a matrix neither on blocks nor tiles, bf16
+        tiles beside others, a residual stream not fp32, or no compiled kernels."""
         mats = model.matrices()
         if model.dtype != torch.float32 or not kernels.available() or not all(map(_stepped, mats)) \
                 or not isinstance(model.embed, BlockWeight | Tensor):
             return None
         weights, fmts, int8, packed = zip(*map(_held, mats))
+        if "bf16" in fmts and set(fmts) != {"bf16"}:  # bf16 products take and give bf16: all of them, or none
+            return None
         norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
         cfg, embed = model.cfg, model.embed
         blocks = isinstance(embed, BlockWeight)
+        if not blocks and embed.dtype not in (torch.float32, torch.bfloat16):
+            return None
         compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
-            embed.blocks if blocks else embed.detach(), embed.fmt if blocks else "f32",
+            embed.blocks if blocks else embed.detach(),
+            embed.fmt if blocks else "f32" if embed.dtype == torch.float32 else "bf16",
             [n.detach().contiguous() for n in norms], list(weights), list(fmts), list(int8), list(packed),
             cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps, model.kv_dtype == torch.bfloat16)
         return cls(model, compiled)

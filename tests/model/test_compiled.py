@@ -1,7 +1,7 @@
-"""The compiled step of a model on blocks or fp32 tiles (`model.compiled`): the Python forward's logits bit for
-bit, on whole prompts, decode steps and chunks after a cached context, ragged batches, any block size, blocks on
-fp32 or int8 activations; the same K/V written into the pool; whole prompts on a bf16 pool and models off blocks
-and tiles left to the Python forward; bad metadata refused by name."""
+"""The compiled step of a model on blocks or tiles (`model.compiled`): the Python forward's logits bit for bit, on
+whole prompts, decode steps and chunks after a cached context, ragged batches, any block size, blocks on fp32 or
+int8 activations, fp32 or bf16 tiles; the same K/V written into the pool; whole prompts on a bf16 pool and models
+off blocks and tiles left to the Python forward; bad metadata refused by name."""
 
 import pytest
 import torch
@@ -18,14 +18,16 @@ from nanoserve.model.gguf_weights import set_activations, to_blocks
 from nanoserve.model.matmul import tiled
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V", "fp32 tiles"])
+@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V", "fp32 tiles", "bf16 tiles"])
 def tiny_blocks(request, tiny_cfg, compiled):
     """A tiny model on blocks, its products on fp32 activations, then on int8 ones, then with a bf16 K/V cache;
-    then an fp32 model with its tiles (x86 CPUs only: elsewhere no fp32 matrix has tiles)."""
-    if request.param == "fp32 tiles":
+    then an fp32 model with its tiles (x86 CPUs only), and a bf16 one with its (AVX512_BF16 only)."""
+    if request.param.endswith("tiles"):
         model = Llama.random(tiny_cfg, seed=5)
+        if request.param == "bf16 tiles":
+            model.cast_matrices(torch.bfloat16)
         if not model.pack_weights() or tiled(model.layers[0].wqkv) is None:
-            pytest.skip("no fp32 tiles on this CPU")
+            pytest.skip(f"no {request.param} on this CPU")
         return model
     model = to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param.split(",")[0])
     return model.round_kv(torch.bfloat16) if "bf16" in request.param else model

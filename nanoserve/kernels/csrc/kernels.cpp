@@ -426,6 +426,15 @@ void add_rms_norm_rows(const float* x, const float* residual, const float* weigh
   add_rms_norm_rows_t(x, residual, weight, n, C, eps, out, h);
 }
 
+// A bf16 model's: residual (if any) a bf16 product's output, h its next product's bf16 input.
+void add_rms_norm_rows_bf16(const float* x, const uint16_t* residual, const float* weight, int64_t n, int64_t C,
+                            float eps, float* out, uint16_t* h) {
+  add_rms_norm_rows_t(x, residual, weight, n, C, eps, out, h);
+}
+
+void widen_bf16_row(const uint16_t* x, int64_t n, float* out) { widen_row(x, n, out); }
+void narrow_bf16_row(const float* x, int64_t n, uint16_t* out) { narrow_row(x, n, out); }
+
 // (x + residual, rms_norm(x + residual) * weight) over the last dim; residual may be None (then x as is). x is
 // fp32; residual fp32 or bf16; h comes back in h_bf16 ? bf16 : fp32.
 std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,

@@ -274,16 +274,23 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N)
   torch::Tensor out = torch::empty({M, width}, x.options());
   if (M == 0 || nt == 0) return out.narrow(1, 0, N).contiguous();
   if (P == 0) return out.zero_().narrow(1, 0, N).contiguous();
+  bf16_tiles_product(static_cast<const uint16_t*>(tiles.data_ptr()), nt, P, static_cast<const uint16_t*>(xr.data_ptr()),
+                     M, static_cast<uint16_t*>(out.data_ptr()));
+  return width == N ? out : out.narrow(1, 0, N).contiguous();
+}
+
+// bf16_tiles_linear on raw numbers (step.cpp): x (M, 2P) bf16 times nt tiles of P pairs -> out (M, nt * TILE) bf16.
+void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out) {
 #if defined(__x86_64__) || defined(_M_X64)
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(xr.data_ptr());
-  const uint32_t* wp = reinterpret_cast<const uint32_t*>(tiles.data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int64_t want = at::get_num_threads() * PAIR_TASKS_PER_THREAD;
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
+  const uint32_t* wp = reinterpret_cast<const uint32_t*>(tiles);
+  const int64_t want = at::get_num_threads() * PAIR_TASKS_PER_THREAD, width = nt * TILE;
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
   for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per;
-    pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, op + t0 * TILE);
+    pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, out + t0 * TILE);
   });
+#else
+  TORCH_CHECK(false, "bf16_tiles_product: the tiles are an x86 road");
 #endif
-  return width == N ? out : out.narrow(1, 0, N).contiguous();
 }

@@ -61,6 +61,12 @@ torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out);
+void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out);
+void add_rms_norm_rows_bf16(const float* x, const uint16_t* residual, const float* weight, int64_t n, int64_t C,
+                            float eps, float* out, uint16_t* h);
+void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t* out);
+void widen_bf16_row(const uint16_t* x, int64_t n, float* out);   // exact
+void narrow_bf16_row(const float* x, int64_t n, uint16_t* out);  // each to the nearest bf16
 void add_rms_norm_rows(const float* x, const float* residual, const float* weight, int64_t n, int64_t C, float eps,
                        float* out, float* h);
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
@@ -73,8 +79,9 @@ void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int6
 void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
 
 // A model on blocks or fp32 tiles, stepped by one call (step.cpp): its weights checked and held once, each step's
-// inputs passed to `step`. A matrix of fmt "q4_1" or "q8_0" is GGUF blocks; of fmt "f32", the tiles of an fp32
-// matrix (pack_fp32), as the token table of embed_fmt "f32" is an fp32 (V, C) table. int8[i]: matrix i multiplies
+// inputs passed to `step`. A matrix of fmt "q4_1" or "q8_0" is GGUF blocks; of fmt "f32" or "bf16", the tiles of
+// an fp32 or bf16 matrix (pack_fp32, pack_bf16: every matrix then bf16), as the token table of embed_fmt "f32" or
+// "bf16" is an fp32 or bf16 (V, C) table. int8[i]: matrix i multiplies
 // int8-quantized activations (block_linear_int8's product), from packed[i] (pack_blocks_int8) where that is not
 // empty. kv_bf16: its K/V cache holds bf16.
 class BlockModel {
@@ -95,11 +102,14 @@ class BlockModel {
     bool int8;           // x quantized to int8 blocks first (kernels/int8.py)
     const uint8_t* packed = nullptr;  // int8 on an x86 road: the same blocks packed (pack_blocks_int8)
     const float* tiles = nullptr;     // fmt "f32": the fp32 matrix's tiles (rows / 16 of them), read for blocks
+    const uint16_t* bf16_tiles = nullptr;  // fmt "bf16": a bf16 matrix's tiles of pairs (pack_bf16)
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;
-  const float* embed_f32_ = nullptr;  // embed_fmt "f32": row v, column c at embed_f32_[v * rs + c * cs]
+  const void* embed_table_ = nullptr;  // embed_fmt "f32" or "bf16": row v, column c at [v * rs + c * cs]
+  bool embed_bf16_ = false;
   int64_t embed_rs_ = 0, embed_cs_ = 0;
+  bool bf16_ = false;  // the matrices are bf16 (Llama.cast_matrices): each product takes bf16 and gives bf16
   std::vector<const float*> norms_;  // attn_norm and mlp_norm of each layer, then the final norm
   std::vector<Matrix> mats_;         // wqkv, wo, w_gate_up, w_down of each layer, then the head
   int64_t L_, H_, K_, C_, I_;

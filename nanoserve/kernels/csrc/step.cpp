@@ -4,6 +4,7 @@
 // so its logits are that forward's bit for bit; what it saves is the Python and the tensor bookkeeping between.
 #include "nanoserve.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace {
@@ -51,6 +52,18 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
       m.tiles = t.data_ptr<float>();
       return m;
     }
+    if (fmt == "bf16") {
+      TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == 4 && t.is_contiguous() && cols % 2 == 0 &&
+                      t.size(1) == cols / 2 && t.size(2) == FP32_TILE && t.size(3) == 2,
+                  what, " ", i, ": expected the contiguous bf16 tiles (outputs / 16, ", cols / 2, ", 16, 2) of "
+                  "pack_bf16 (an even number of inputs), got ", t.scalar_type(), " ", t.sizes());
+      TORCH_CHECK(prompt_attention_bf16_here(), what, " ", i, ": bf16 tiles need a CPU with AVX512_BF16");
+      keep_.push_back(t);
+      Matrix m{nullptr, false, t.size(0) * FP32_TILE, cols, false, nullptr};
+      m.bf16_tiles = static_cast<const uint16_t*>(t.data_ptr());
+      bf16_ = true;
+      return m;
+    }
     const int64_t bytes = block_bytes(fmt, what, i);
     TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % 32 == 0 &&
                     t.size(1) == cols / 32 * bytes,
@@ -59,12 +72,14 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     keep_.push_back(t);
     return Matrix{t.data_ptr<uint8_t>(), fmt == "q4_1", t.size(0), cols, false, nullptr};
   };
-  if (embed_fmt == "f32") {
-    TORCH_CHECK(embed.scalar_type() == torch::kFloat32 && embed.dim() == 2 && embed.size(1) == C_,
-                "embed: expected a float32 (vocabulary, ", C_, ") table, got ", embed.scalar_type(), " ", embed.sizes());
+  if (embed_fmt == "f32" || embed_fmt == "bf16") {
+    embed_bf16_ = embed_fmt == "bf16";
+    const auto type = embed_bf16_ ? torch::kBFloat16 : torch::kFloat32;
+    TORCH_CHECK(embed.scalar_type() == type && embed.dim() == 2 && embed.size(1) == C_, "embed: expected a ", type,
+                " (vocabulary, ", C_, ") table, got ", embed.scalar_type(), " ", embed.sizes());
     keep_.push_back(embed);
     embed_ = Matrix{nullptr, false, embed.size(0), C_, false, nullptr};
-    embed_f32_ = embed.data_ptr<float>();
+    embed_table_ = embed.data_ptr();
     embed_rs_ = embed.stride(0);
     embed_cs_ = embed.stride(1);
   } else {
@@ -91,6 +106,8 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     mats_.insert(mats_.end(), {qkv, wo, gate_up, down});
   }
   mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
+  for (size_t i = 0; i < mats_.size(); ++i)
+    TORCH_CHECK(!bf16_ || mats_[i].bf16_tiles, "blocks ", i, ": a bf16 model's matrices are all bf16 tiles");
   for (size_t i = 0; i < mats_.size(); ++i) {
     TORCH_CHECK(!int8[i] || !mats_[i].tiles, "int8 ", i, ": int8 activations are for a matrix of blocks, not f32");
     mats_[i].int8 = int8[i];
@@ -161,7 +178,9 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   auto carve = [&](int64_t count) { const int64_t at = need; need += (count + 15) / 16 * 16; return at; };  // 64 B
   const int64_t at_xs = carve(n * C), at_x2 = carve(n * C), at_h = carve(n * C), at_qkv = carve(n * HT * D),
                 at_q = carve(n * H * D), at_o = carve(n * C), at_gu = carve(n * 2 * I), at_act = carve(n * I),
-                at_cs = carve(2 * n * D), at_attn = carve(n * H * D), at_rows = carve(R * C);
+                at_cs = carve(2 * n * D), at_attn = carve(n * H * D), at_rows = carve(R * C),
+                at_hb = carve(bf16_ ? (n * std::max({C, I, H * D}) + 1) / 2 : 0),  // bf16: a product's input
+                at_ob = carve(bf16_ ? (n * std::max({HT * D, 2 * I, C}) + 1) / 2 : 0);  // and its output
   torch::Tensor scratch = scratch_;
   if (scratch.numel() < need) {
     scratch = torch::empty({need}, f32);  // kept unless it is a long prompt chunk's
@@ -171,16 +190,24 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   float *xs = base + at_xs, *x2 = base + at_x2, *hp = base + at_h, *qkvp = base + at_qkv, *qp = base + at_q;
   float *op = base + at_o, *gup = base + at_gu, *ap = base + at_act, *cp = base + at_cs, *sp = cp + n * D;
   float *attnp = base + at_attn, *rowsp = base + at_rows;
+  uint16_t *hb = reinterpret_cast<uint16_t*>(base + at_hb), *ob = reinterpret_cast<uint16_t*>(base + at_ob);
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
   }
-  if (embed_f32_) {  // each token's row of the fp32 table, as `embedding` copies it
+  if (embed_table_) {  // each token's row of the table, as `embedding` copies it (bf16: widened, exactly)
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t c = 0; c < C; ++c) xs[i * C + c] = embed_f32_[id[i] * embed_rs_ + c * embed_cs_];
+      for (int64_t c = 0; c < C; ++c) {
+        const int64_t at = id[i] * embed_rs_ + c * embed_cs_;
+        if (embed_bf16_) widen_bf16_row(static_cast<const uint16_t*>(embed_table_) + at, 1, xs + i * C + c);
+        else xs[i * C + c] = static_cast<const float*>(embed_table_)[at];
+      }
   } else {
     dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
   }
+  auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out) {
+    bf16_tiles_product(w.bf16_tiles, w.rows / FP32_TILE, w.cols / 2, x, rows, out);
+  };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
     if (w.tiles) fp32_product(w.tiles, w.rows / FP32_TILE, w.cols, x, rows, out);
     else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
@@ -190,8 +217,14 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   for (int64_t layer = 0; layer < L_; ++layer) {
     const Matrix* w = &mats_[4 * layer];
     // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
-    add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
-    product(w[0], hp, n, qkvp);
+    if (bf16_) {  // a bf16 model's product: its input narrowed to bf16 (by the norm), its bf16 output widened
+      add_rms_norm_rows_bf16(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hb);
+      bf16_product(w[0], hb, n, ob);
+      widen_bf16_row(ob, n * HT * D, qkvp);
+    } else {
+      add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
+      product(w[0], hp, n, qkvp);
+    }
     rope_rows(qkvp, cp, sp, n, HT, H + K, D);
     if (kv_bf16_) round_bf16_(qkvp, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
     const int64_t layer_bytes = layer * k_cache.stride(0) * k_cache.element_size();
@@ -212,17 +245,34 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     }
     paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
                          R_req, block_tables.size(1), scale, split_keys, attnp);
-    product(w[1], attnp, n, op);
-    add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
-    // the MLP: x + w_down(silu(gate) * up)
-    product(w[2], hp, n, gup);
-    silu_mul_rows(gup, n, I, ap);
-    product(w[3], ap, n, op);
+    if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
+      narrow_bf16_row(attnp, n * H * D, hb);
+      bf16_product(w[1], hb, n, ob);
+      add_rms_norm_rows_bf16(xs, ob, norms_[2 * layer + 1], n, C, eps_, x2, hb);
+      bf16_product(w[2], hb, n, ob);
+      silu_mul_rows_bf16(ob, n, I, hb);
+      bf16_product(w[3], hb, n, ob);
+      widen_bf16_row(ob, n * C, op);
+    } else {
+      product(w[1], attnp, n, op);
+      add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
+      // the MLP: x + w_down(silu(gate) * up)
+      product(w[2], hp, n, gup);
+      silu_mul_rows(gup, n, I, ap);
+      product(w[3], ap, n, op);
+    }
     for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
   }
   add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
   torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
   for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
-  product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>());
+  if (bf16_) {
+    torch::Tensor head = torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16));
+    narrow_bf16_row(rowsp, R * C, hb);
+    bf16_product(mats_[4 * L_], hb, R, static_cast<uint16_t*>(head.data_ptr()));
+    widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
+  } else {
+    product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>());
+  }
   return logits;
 }
