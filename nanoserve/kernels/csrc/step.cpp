@@ -1,7 +1,8 @@
-// A model held on GGUF blocks or fp32 tiles, stepped by one call (nanoserve/model/compiled.py says when it runs
-// and why): the embedding rows, every layer of the Python forward (model/llama.py, Block.forward), then the LM
-// head at each request's last token. It runs the loops the Python forward reaches, in the same order, on the same rows,
-// so its logits are that forward's bit for bit; what it saves is the Python and the tensor bookkeeping between.
+// A model held on GGUF blocks or on tiles (fp32 or bf16), stepped by one call (nanoserve/model/compiled.py says
+// when it runs and why): the embedding rows, every layer of the Python forward (model/llama.py, Block.forward),
+// then the LM head at each request's last token. It runs the loops the Python forward reaches, in the same order,
+// on the same rows, so its logits are that forward's bit for bit; what it saves is the Python and the tensor
+// bookkeeping between.
 #include "nanoserve.h"
 
 #include <algorithm>
@@ -10,11 +11,18 @@
 namespace {
 
 int64_t block_bytes(const std::string& fmt, const char* what, int64_t i) {
-  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1, q8_0 or f32");
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1, q8_0, f32 or bf16");
   return fmt == "q4_1" ? 20 : 34;
 }
 
-constexpr int64_t FP32_TILE = 16;  // outputs per tile of pack_fp32
+constexpr int64_t TILE = 16;  // outputs per tile of pack_fp32 and pack_bf16
+
+float widened(uint16_t b) {  // a bf16 number as a float, exactly
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
 
 void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && (n < 0 || t.numel() == n), name,
@@ -44,22 +52,22 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   auto matrix = [&](const torch::Tensor& t, const std::string& fmt, int64_t cols, const char* what, int64_t i) {
     if (fmt == "f32") {
       TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.dim() == 3 && t.is_contiguous() && t.size(1) == cols &&
-                      t.size(2) == FP32_TILE,
+                      t.size(2) == TILE,
                   what, " ", i, ": expected the contiguous float32 tiles (outputs / 16, ", cols, ", 16) of pack_fp32, "
                   "got ", t.scalar_type(), " ", t.sizes());
       keep_.push_back(t);
-      Matrix m{nullptr, false, t.size(0) * FP32_TILE, cols, false, nullptr};
+      Matrix m{nullptr, false, t.size(0) * TILE, cols, false, nullptr};
       m.tiles = t.data_ptr<float>();
       return m;
     }
     if (fmt == "bf16") {
       TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == 4 && t.is_contiguous() && cols % 2 == 0 &&
-                      t.size(1) == cols / 2 && t.size(2) == FP32_TILE && t.size(3) == 2,
+                      t.size(1) == cols / 2 && t.size(2) == TILE && t.size(3) == 2,
                   what, " ", i, ": expected the contiguous bf16 tiles (outputs / 16, ", cols / 2, ", 16, 2) of "
                   "pack_bf16 (an even number of inputs), got ", t.scalar_type(), " ", t.sizes());
       TORCH_CHECK(prompt_attention_bf16_here(), what, " ", i, ": bf16 tiles need a CPU with AVX512_BF16");
       keep_.push_back(t);
-      Matrix m{nullptr, false, t.size(0) * FP32_TILE, cols, false, nullptr};
+      Matrix m{nullptr, false, t.size(0) * TILE, cols, false, nullptr};
       m.bf16_tiles = static_cast<const uint16_t*>(t.data_ptr());
       bf16_ = true;
       return m;
@@ -109,12 +117,12 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   for (size_t i = 0; i < mats_.size(); ++i)
     TORCH_CHECK(!bf16_ || mats_[i].bf16_tiles, "blocks ", i, ": a bf16 model's matrices are all bf16 tiles");
   for (size_t i = 0; i < mats_.size(); ++i) {
-    TORCH_CHECK(!int8[i] || !mats_[i].tiles, "int8 ", i, ": int8 activations are for a matrix of blocks, not f32");
+    TORCH_CHECK(!int8[i] || mats_[i].blocks, "int8 ", i, ": int8 activations are for a matrix of blocks, not tiles");
     mats_[i].int8 = int8[i];
     if (packed[i].numel() == 0) continue;
     const Matrix& m = mats_[i];
     const int64_t row_bytes = m.cols / 32 * (m.q4_1 ? 20 : 34);
-    TORCH_CHECK(int8[i] && int8_packed_here() && !m.tiles, "packed ", i, ": a packed layout is read by an x86 int8 "
+    TORCH_CHECK(int8[i] && int8_packed_here() && m.blocks, "packed ", i, ": a packed layout is read by an x86 int8 "
                 "road, for a matrix of blocks on int8 activations");
     TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
                 packed[i].numel() == (m.rows + 3) / 4 * 4 * row_bytes,
@@ -199,17 +207,17 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c) {
         const int64_t at = id[i] * embed_rs_ + c * embed_cs_;
-        if (embed_bf16_) widen_bf16_row(static_cast<const uint16_t*>(embed_table_) + at, 1, xs + i * C + c);
-        else xs[i * C + c] = static_cast<const float*>(embed_table_)[at];
+        xs[i * C + c] = embed_bf16_ ? widened(static_cast<const uint16_t*>(embed_table_)[at])
+                                    : static_cast<const float*>(embed_table_)[at];
       }
   } else {
     dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
   }
   auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out) {
-    bf16_tiles_product(w.bf16_tiles, w.rows / FP32_TILE, w.cols / 2, x, rows, out);
+    bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out);
   };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
-    if (w.tiles) fp32_product(w.tiles, w.rows / FP32_TILE, w.cols, x, rows, out);
+    if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out);
     else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
     else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
