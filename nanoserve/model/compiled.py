@@ -17,7 +17,7 @@ kernel computes as it does any row. On a bf16 pool a whole prompt's attention ta
 (`attention.causal.bf16_prompt_attention`) that this call does not have, so a step holding one runs the Python
 forward.
 
-    >>> step = BlockStep.of(model)                       # None unless the model is on blocks  # doctest: +SKIP
+    >>> step = BlockStep.of(model)                       # None unless on blocks or tiles  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
 """
 

@@ -78,12 +78,12 @@ void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int6
                                float* out);
 void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
 
-// A model on blocks or fp32 tiles, stepped by one call (step.cpp): its weights checked and held once, each step's
+// A model on blocks or tiles, stepped by one call (step.cpp): its weights checked and held once, each step's
 // inputs passed to `step`. A matrix of fmt "q4_1" or "q8_0" is GGUF blocks; of fmt "f32" or "bf16", the tiles of
 // an fp32 or bf16 matrix (pack_fp32, pack_bf16: every matrix then bf16), as the token table of embed_fmt "f32" or
-// "bf16" is an fp32 or bf16 (V, C) table. int8[i]: matrix i multiplies
-// int8-quantized activations (block_linear_int8's product), from packed[i] (pack_blocks_int8) where that is not
-// empty. kv_bf16: its K/V cache holds bf16.
+// "bf16" is an fp32 or bf16 (V, C) table. int8[i]: matrix i multiplies int8-quantized activations
+// (block_linear_int8's product), from packed[i] (pack_blocks_int8) where that is not empty. kv_bf16: its K/V
+// cache holds bf16.
 class BlockModel {
  public:
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
@@ -101,7 +101,7 @@ class BlockModel {
     int64_t rows, cols;  // the weight's (out, in)
     bool int8;           // x quantized to int8 blocks first (kernels/int8.py)
     const uint8_t* packed = nullptr;  // int8 on an x86 road: the same blocks packed (pack_blocks_int8)
-    const float* tiles = nullptr;     // fmt "f32": the fp32 matrix's tiles (rows / 16 of them), read for blocks
+    const float* tiles = nullptr;     // fmt "f32": the fp32 matrix's tiles (rows / 16 of them), not blocks
     const uint16_t* bf16_tiles = nullptr;  // fmt "bf16": a bf16 matrix's tiles of pairs (pack_bf16)
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
