@@ -112,7 +112,7 @@ class StaticBatch:
     what Day 29 varies.
 
     `kernels`: the ModelRunner's choice (None: the compiled kernels where they run, True insists,
-    False: torch's ops), and `compiled_step` its (a model on blocks or fp32 tiles stepped by one compiled
+    False: torch's ops), and `compiled_step` its (a model on blocks or tiles stepped by one compiled
     call where it can; False: the Python forward). Either way a row's tokens do not depend on the rows beside it.
     """
 
