@@ -175,12 +175,23 @@ using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*, fl
 // The x86 roads: this file's second half, once per road, each with its instructions enabled.
 // Each road asks for a row's bytes PREFETCH ahead of the quad in use, into the cache PREFETCH_HINT names: the
 // integer products eat bytes faster than quant.cpp's, so more must be in flight than the hardware's prefetchers
-// keep. The AVX512-VNNI road streams fastest asking 8 KB ahead into L1, the AVX2 roads 16 KB ahead into L2.
+// keep. The AVX512-VNNI road streams fastest asking 8 KB ahead into L1, the AVX2 roads 16 KB ahead into L2. On an
+// AMD CPU the AVX512-VNNI road asks with the non-temporal hint instead: the weights, read once a step, then stream
+// faster there (a decode step; a prompt's rows reuse each weight from L1 either way). Only the asking differs, so
+// the numbers do not.
+const bool AMD_CPU = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd");
+}();
+#define ROAD_PREFETCH(p)                                                            \
+  ((NTA_ON_AMD && AMD_CPU) ? _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA) \
+                           : _mm_prefetch(reinterpret_cast<const char*>(p), PREFETCH_HINT))
 #define NANOSERVE_INT8_ROAD 1
 #define INT8_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"
 namespace avx512_vnni {
 constexpr int64_t PREFETCH = 8192;
 constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T0;
+constexpr bool NTA_ON_AMD = true;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -190,6 +201,7 @@ constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T0;
 namespace avx_vnni {
 constexpr int64_t PREFETCH = 16384;
 constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T1;
+constexpr bool NTA_ON_AMD = false;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -199,6 +211,7 @@ constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T1;
 namespace avx2 {
 constexpr int64_t PREFETCH = 16384;
 constexpr _mm_hint PREFETCH_HINT = _MM_HINT_T1;
+constexpr bool NTA_ON_AMD = false;
 #include __FILE__
 }
 #undef INT8_TARGET
@@ -673,7 +686,7 @@ ROAD_FN void step(const uint8_t* const* row, int64_t t, int64_t n, const Acts& a
   for (int j = 0; j < 4; ++j) {
     q[j] = row[j] + t * 4 * block_bytes<F>();
     for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * block_bytes<F>(); ahead += 64)  // every line of the quad
-      _mm_prefetch(reinterpret_cast<const char*>(q[j] + ahead), PREFETCH_HINT);
+      ROAD_PREFETCH(q[j] + ahead);
   }
   __m512i head, lo[4], hi[4];
   load_quads<F>(q, n, head, lo, hi);
@@ -750,7 +763,7 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
   const __mmask16 real = FULL ? 0xffff : static_cast<__mmask16>(0x1111u * ((1u << n) - 1));
   const int64_t reg = FULL ? 64 : 16 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
-    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), PREFETCH_HINT);
+    ROAD_PREFETCH(p + ahead);
   __m512i w[8];
 #pragma GCC unroll 8
   for (int k = 0; k < REGS; ++k)
@@ -984,8 +997,8 @@ template <Fmt F, int R, int NQ>
 ROAD_FN void group(const uint8_t* blk, int64_t n, const Acts& a, int64_t r0, int64_t b0, __m256* acc) {
   constexpr int64_t BYTES = block_bytes<F>();
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), PREFETCH_HINT);
-  _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH + 64 * 4), PREFETCH_HINT);
+  ROAD_PREFETCH(blk + PREFETCH);
+  ROAD_PREFETCH(blk + PREFETCH + 64 * 4);
 #pragma GCC unroll 2
   for (int h = 0; h < (NQ + 1) / 2; ++h) {  // blocks 8h .. 8h + 7: quads 2h, 2h + 1
     const uint8_t* hb = blk + 8 * h * BYTES;
@@ -1076,7 +1089,7 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
   constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
   const int64_t reg = FULL ? 32 : 4 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + n * block_bytes<F>(); ahead += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + ahead), PREFETCH_HINT);
+    ROAD_PREFETCH(p + ahead);
   const __m256i live = FULL ? _mm256_set1_epi32(-1)
                             : _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   __m256i w[8];
