@@ -17,13 +17,6 @@ int64_t block_bytes(const std::string& fmt, const char* what, int64_t i) {
 
 constexpr int64_t TILE = 16;  // outputs per tile of pack_fp32 and pack_bf16
 
-float widened(uint16_t b) {  // a bf16 number as a float, exactly
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
 void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && (n < 0 || t.numel() == n), name,
               ": expected ", n < 0 ? std::string("") : std::to_string(n) + " ", "contiguous int64");
@@ -207,7 +200,7 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c) {
         const int64_t at = id[i] * embed_rs_ + c * embed_cs_;
-        xs[i * C + c] = embed_bf16_ ? widened(static_cast<const uint16_t*>(embed_table_)[at])
+        xs[i * C + c] = embed_bf16_ ? widen(static_cast<const uint16_t*>(embed_table_)[at])
                                     : static_cast<const float*>(embed_table_)[at];
       }
   } else {
