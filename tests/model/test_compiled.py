@@ -167,6 +167,57 @@ def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cf
                             tiny_cfg.rms_norm_eps, False)
 
 
+def team_case(tiny_cfg, block_size=4):
+    """A tiny int8 model whose products all read packed copies (a decode step then runs as one team), a runner,
+    and a pool holding three requests of 9, 30 and 61 tokens."""
+    model = to_blocks(Llama.random(tiny_cfg, seed=9), activations="int8")
+    manager, fast, _ = runners(model, 64, block_size)
+    tables = [manager.new_table() for _ in range(3)]
+    for t, n in zip(tables, (9, 30, 61)):
+        manager.append_slots(t, list(range(3, 3 + n)))
+        fast.execute([Chunk(list(range(3, 3 + n)), 0, t.blocks)])
+    return manager, fast, tables
+
+
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
+@pytest.mark.parametrize("split_keys", [0, 8])
+def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys):
+    """A decode step of few rows runs as one team of threads meeting between products; split rows' pieces are
+    shared among them and merged after. The logits and the k/v written are those of the step on one thread."""
+    threads = torch.get_num_threads()
+    out = {}
+    for n_threads in (threads, 1):
+        torch.set_num_threads(n_threads)
+        try:
+            manager, fast, tables = team_case(tiny_cfg)
+            starts = [t.num_tokens for t in tables]
+            new = [[7], [7, 8], [7]]
+            for t, ids in zip(tables, new):
+                manager.append_slots(t, ids)
+            ids, md = prepare([Chunk(x, s, t.blocks) for x, s, t in zip(new, starts, tables)], manager.block_size)
+            out[n_threads] = (fast.block_step(ids, md, fast.storage, split_keys=split_keys), fast.storage.k.clone())
+        finally:
+            torch.set_num_threads(threads)
+    (logits, k), (one, k_one) = out[threads], out[1]
+    assert logits.shape == (3, tiny_cfg.vocab_size)
+    assert torch.equal(logits, one) and torch.equal(k, k_one)
+
+
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
+def test_a_bad_block_in_a_team_step_is_refused_and_the_next_step_runs(tiny_cfg, compiled):
+    """A request's block outside the pool is found inside the team's parallel region, where every thread checks
+    it: the step raises it by name instead of leaving a thread waiting for another, and the next step runs."""
+    manager, fast, tables = team_case(tiny_cfg)
+    start = tables[2].num_tokens
+    manager.append_slots(tables[2], [7])
+    ids, md = prepare([Chunk([7], start, tables[2].blocks)], manager.block_size)
+    bad = md.block_tables.clone()
+    bad[0, 1] = 99
+    with pytest.raises(RuntimeError, match="request 0: block 99 is not in the pool of 64"):
+        fast.block_step(ids, type(md)(**{**md.__dict__, "block_tables": bad}), fast.storage)
+    assert fast.block_step(ids, md, fast.storage).shape == (1, tiny_cfg.vocab_size)
+
+
 def test_a_pool_of_another_dtype_than_the_models_cache_is_refused_by_name(tiny_cfg, compiled):
     model = to_blocks(Llama.random(tiny_cfg, seed=8)).round_kv(torch.bfloat16)
     _, md = prepare([Chunk([5], 3, [0])], 4)

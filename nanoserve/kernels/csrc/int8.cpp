@@ -462,19 +462,37 @@ const Road& best() {
 
 bool packed_here() { return best().layout != Layout::NONE; }
 
+std::pair<int64_t, int64_t> share(int64_t N, const Team& team);
+
 // x (B, K) quantized, its quads transposed, then times a weight of N rows packed in `road`'s layout: out (B, N).
 // Threads split the rows in groups of four; a task's 16 rows stay in cache while every tile of x passes over them.
+// With a team, each of its threads quantizes x for itself and computes its share of the rows, as
+// at::parallel_for would have split them.
 void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B,
-                    float* out) {
+                    float* out, const Team* team = nullptr) {
   TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
-  at::parallel_for(0, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
+  const auto rows = [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
-  });
+  };
+  if (team == nullptr) {
+    at::parallel_for(0, (N + 3) / 4, GROUPS, rows);
+    return;
+  }
+  const auto [begin, end] = share(N, *team);
+  rows(begin, end);
+}
+
+// A team thread's row groups of a weight of N rows: at::parallel_for(0, groups, GROUPS)'s cut.
+std::pair<int64_t, int64_t> share(int64_t N, const Team& team) {
+  constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
+  const int64_t G = (N + 3) / 4, threads = std::min(team.size, (G + GROUPS - 1) / GROUPS);
+  const int64_t chunk = (G + threads - 1) / threads, begin = std::min(G, team.tid * chunk);
+  return {begin, std::min(G, begin + chunk)};
 }
 
 Fmt checked_fmt(const std::string& fmt) {
@@ -544,13 +562,20 @@ void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const
   if (B > 0 && N > 0) int8q::product(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
 }
 
+std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
+                                                const Team& team) {
+  const int64_t group_bytes = 4 * K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES);
+  const auto [begin, end] = int8q::share(N, team);
+  return {packed + begin * group_bytes, (end - begin) * group_bytes};
+}
+
 // Whether this CPU's int8 road has a packed layout (the x86 roads: BlockModel reads packed copies then).
 bool int8_packed_here() { return int8q::packed_here(); }
 
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
-                               float* out) {
+                               float* out, const Team* team) {
   if (B > 0 && N > 0)
-    int8q::product_packed(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out);
+    int8q::product_packed(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out, team);
 }
 
 // The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".

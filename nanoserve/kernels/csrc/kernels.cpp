@@ -640,12 +640,15 @@ inline void key_slots(const int64_t* table, int64_t l0, int64_t n, int64_t BS, i
 template <class T>
 void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* qd, const T* kd, const T* vd,
                   float* od, const int64_t* tables, int64_t W, int64_t BS, int64_t H, int64_t K, int64_t D,
-                  float scale, int64_t P) {
+                  float scale, int64_t P, Team* team) {
   const int64_t R = static_cast<int64_t>(rows.size()), rep = H / K;  // rep query heads share each kv head
   std::vector<int64_t> first(R + 1, 0);  // row s's pieces are first[s] .. first[s+1]-1
   for (int64_t s = 0; s < R; ++s) first[s + 1] = first[s] + (rows[s][2] + P - 1) / P;
   const int64_t pieces = first[R];
-  std::vector<float> acc(pieces * H * D), m(pieces * H), l(pieces * H);  // (piece, head, ...)
+  std::vector<float> own;  // (piece, head, ...): acc, then m, then l; a team's threads share theirs
+  if (team == nullptr) own.resize(pieces * H * (D + 2));
+  float* const acc = team ? team->buffer(pieces * H * (D + 2)) : own.data();
+  float *const m = acc + pieces * H * D, *const l = m + pieces * H;
   struct Scratch {
     std::vector<float> scores;
     std::vector<int64_t> at;
@@ -658,7 +661,7 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
     for (int64_t p = 0; p < first[e] - first[e - 1]; ++p) jobs.push_back({s, e, p});  // the last row has the most
     s = e;
   }
-  for_each_task<Scratch>(static_cast<int64_t>(jobs.size()), [&](int64_t job, Scratch& sc) {
+  const auto run_piece = [&](int64_t job, Scratch& sc) {
     const auto [s0, s1, p] = jobs[job];
     const int64_t r = rows[s0][0], l0 = p * P, most = std::min(P, rows[s1 - 1][2] - l0);
     sc.scores.resize(H * most);
@@ -669,11 +672,11 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
       const int64_t n = std::min(P, rows[s][2] - l0), piece = first[s] + p;
       decode_scores(qd + rows[s][1] * H * D, kd, vd, sc.at.data(), n, H, 0, rep, D, scale, sc.scores.data(),
                     !fetched++);
-      value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc.data() + piece * H * D,
-                 m.data() + piece * H, l.data() + piece * H);
+      value_sums(sc.scores.data(), n, n, H, 0, rep, D, vd, sc.at.data(), acc + piece * H * D, m + piece * H,
+                 l + piece * H);
     }
-  });
-  at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+  };
+  const auto merge = [&](int64_t begin, int64_t end) {
     std::vector<float> o(D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / H, h = task % H;
@@ -683,14 +686,23 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
       for (int64_t p = first[s]; p < first[s + 1]; ++p) {  // in order: the same sums whatever ran where
         const float c = fast_exp(m[p * H + h] - M);
         L += l[p * H + h] * c;
-        const float* a = acc.data() + (p * H + h) * D;
+        const float* a = acc + (p * H + h) * D;
         for (int64_t d = 0; d < D; ++d) o[d] += a[d] * c;
       }
       const float inv = 1.0f / L;
       float* dst = od + (rows[s][1] * H + h) * D;
       for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
     }
-  });
+  };
+  const int64_t n_jobs = static_cast<int64_t>(jobs.size());
+  if (team == nullptr) {
+    for_each_task<Scratch>(n_jobs, run_piece);
+    at::parallel_for(0, R * H, 1, merge);
+  } else {
+    team->for_each_task<Scratch>(n_jobs, run_piece);
+    team->sync();  // every piece in place before any row merges its own
+    team->parallel_for(R * H, merge);
+  }
 }
 
 }  // namespace
@@ -743,7 +755,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 void paged_attention_rows(const float* qd, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* qsl, const int64_t* lens,
                           const int64_t* tables, int64_t R, int64_t W, double scale, int64_t split_keys,
-                          float* od) {
+                          float* od, Team* team) {
   const int64_t rep = H / K;
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
@@ -767,19 +779,20 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
   std::sort(tiles.begin(), tiles.end(), [&](const auto& a, const auto& b) {
     return lens[a[0]] - (qsl[a[0] + 1] - qsl[a[0]]) + a[2] > lens[b[0]] - (qsl[b[0] + 1] - qsl[b[0]]) + b[2];
   });
-  std::memset(od + qsl[R] * H * D, 0, (N - qsl[R]) * H * D * sizeof(float));  // padding rows
+  if (team == nullptr || team->tid == 0)
+    std::memset(od + qsl[R] * H * D, 0, (N - qsl[R]) * H * D * sizeof(float));  // padding rows
   const float fscale = static_cast<float>(scale);
   // A task is a tile and all its kv heads (each key slot holds every kv head's numbers side by side: read
   // once), unless there are too few tiles to keep every thread busy: then a tile and one kv head. Either
   // way every (query, head) row is computed by the same loops in the same order: a decode row's.
   const int64_t n_tiles = static_cast<int64_t>(tiles.size());
-  const bool per_head = n_tiles < 4 * at::get_num_threads();
+  const bool per_head = n_tiles < 4 * (team ? team->size : at::get_num_threads());
   struct Scratch {
     std::vector<float> scores;
     std::vector<int64_t> at;  // where key l's slot starts in the pool (every kv head's numbers, side by side)
   };
   const auto attend = [&](const auto* kd, const auto* vd) {  // float or bf16 pools: the same loops
-    for_each_task<Scratch>(per_head ? n_tiles * K : n_tiles, [&](int64_t task, Scratch& sc) {
+    const auto tile_task = [&](int64_t task, Scratch& sc) {
       const auto& tile = tiles[per_head ? task / K : task];
       const int64_t r = tile[0], i0 = tile[1], i1 = tile[2];
       const int64_t g0 = per_head ? task % K : 0, heads = (per_head ? 1 : K) * rep, h_first = g0 * rep;
@@ -794,8 +807,11 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
                       sc.scores.data(), i == i0);
         value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, sc.at.data(), od + (row * H + h_first) * D);
       }
-    });
-    if (!split.empty()) split_decode(split, qd, kd, vd, od, tables, W, BS, H, K, D, fscale, split_keys);
+    };
+    const int64_t n_tasks = per_head ? n_tiles * K : n_tiles;
+    if (team) team->for_each_task<Scratch>(n_tasks, tile_task);
+    else for_each_task<Scratch>(n_tasks, tile_task);
+    if (!split.empty()) split_decode(split, qd, kd, vd, od, tables, W, BS, H, K, D, fscale, split_keys, team);
   };
   if (bf16)
     attend(static_cast<const uint16_t*>(k_pool), static_cast<const uint16_t*>(v_pool));

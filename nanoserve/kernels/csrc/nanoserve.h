@@ -13,8 +13,11 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
+
+class Team;
 
 // bf16 held as uint16_t (a float's top half): widened to float exactly, and a float narrowed to the nearest bf16
 // (ties to even, a NaN kept a NaN), as torch's .to(torch.bfloat16) rounds.
@@ -36,7 +39,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* query_start_loc,
                           const int64_t* seq_lens, const int64_t* block_tables, int64_t R, int64_t W, double scale,
-                          int64_t split_keys, float* out);
+                          int64_t split_keys, float* out, Team* team = nullptr);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
 torch::Tensor argmax_rows(torch::Tensor logits);
 // The block product on int8 activations (int8.cpp).
@@ -75,7 +78,10 @@ void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
 void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
 void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
-                               float* out);
+                               float* out, const Team* team = nullptr);
+// The packed bytes a team thread's share of that product reads (where it starts, how many).
+std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
+                                                const Team& team);
 void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids, int64_t n, float* out);
 
 // A model on blocks or tiles, stepped by one call (step.cpp): its weights checked and held once, each step's
@@ -115,6 +121,8 @@ class BlockModel {
   int64_t L_, H_, K_, C_, I_;
   float eps_;
   bool kv_bf16_;  // q, k, v rounded to bf16 after RoPE, and the K/V pools bf16 (Block.kv_dtype)
+  bool team_ = false;  // every product on packed int8 weights: a step of few rows runs as one Team
+  static constexpr int64_t TEAM_ROWS = 8;  // steps of at most this many rows (decode steps of small batches)
   static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
   torch::Tensor scratch_ = torch::empty({0});
   std::mutex scratch_mutex_;
@@ -132,6 +140,73 @@ void for_each_task(int64_t n, const Work& work) {
     for (int64_t task = next++; task < n; task = next++) work(task, scratch);
   });
 }
+
+// The threads of one parallel region that a whole decode step runs in (step.cpp), thread `tid` of `size`. A
+// decode step's products are small: forking the threads for each and joining them after costs several trips of
+// a cache line between cores, a visible part of the step. A team forks once per step; its threads meet at
+// sync() where a product's output must be whole, and share tasks through take().
+class Team {
+ public:
+  struct Shared {
+    std::atomic<int64_t> arrived{0};
+    std::atomic<uint64_t> tickets{0};  // (round << 32) | next task of that round
+    std::atomic<bool> failed{false};
+    std::vector<float> buffer;
+  };
+  struct Abandoned {};  // thrown at sync() when another thread of the team failed
+
+  Team(Shared& shared, int64_t tid, int64_t size) : shared_(shared), tid(tid), size(size) {}
+  const int64_t tid, size;
+
+  // Wait until every thread has arrived: what each wrote before is then seen by all. A thread that waits asks
+  // meanwhile for the first bytes of what it reads next (`ahead`, into L2), so that the wait is not all lost.
+  void sync(const uint8_t* ahead = nullptr, int64_t bytes = 0) {
+    const int64_t goal = ++passed_ * size;
+    shared_.arrived.fetch_add(1, std::memory_order_acq_rel);
+    bytes = std::min<int64_t>(bytes, 64 << 10);
+    for (int64_t at = 0; shared_.arrived.load(std::memory_order_acquire) < goal; at += 64) {
+      if (shared_.failed.load(std::memory_order_relaxed)) throw Abandoned{};
+      if (at < bytes) __builtin_prefetch(ahead + at, 0, 2);
+    }
+  }
+  // Tasks 0..n-1 to whichever thread asks first, as for_each_task hands them out; every thread of the team calls
+  // this with the same n, in the same order as its other calls.
+  template <class Scratch, class Work>
+  void for_each_task(int64_t n, const Work& work) {
+    const uint64_t round = ++rounds_;
+    Scratch scratch;
+    for (int64_t task = take(round, n); task >= 0; task = take(round, n)) work(task, scratch);
+  }
+  // f(begin, end) on this thread's share of 0..n-1, cut as at::parallel_for(0, n, 1, f) cuts it.
+  template <class F>
+  void parallel_for(int64_t n, const F& f) const {
+    const int64_t chunk = (n + size - 1) / size;
+    if (tid * chunk < n) f(tid * chunk, std::min(n, (tid + 1) * chunk));
+  }
+  // A buffer of at least `count` floats that every thread of the team sees (it syncs twice).
+  float* buffer(int64_t count) {
+    sync();
+    if (tid == 0 && static_cast<int64_t>(shared_.buffer.size()) < count) shared_.buffer.resize(count);
+    sync();
+    return shared_.buffer.data();
+  }
+
+ private:
+  int64_t take(uint64_t round, int64_t n) {  // the next task of `round`, or -1 once they are all taken
+    uint64_t v = shared_.tickets.load(std::memory_order_relaxed);
+    for (;;) {
+      if ((v >> 32) > round) return -1;  // another thread has begun a later round: this one's are all taken
+      const int64_t task = (v >> 32) < round ? 0 : static_cast<int64_t>(v & 0xffffffffu);
+      if (task >= n) return -1;
+      if (shared_.tickets.compare_exchange_weak(v, (round << 32) | static_cast<uint64_t>(task + 1),
+                                                std::memory_order_acq_rel))
+        return task;
+    }
+  }
+  Shared& shared_;
+  int64_t passed_ = 0;
+  uint64_t rounds_ = 0;
+};
 
 // f(std::integral_constant<int, m>{}) for a row count m in 1..MAX known only at run time: a register tile's rows are
 // a template argument (matmul_fp32.cpp's and matmul_bf16.cpp's tiles).

@@ -7,6 +7,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -123,6 +127,7 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     keep_.push_back(packed[i]);
     mats_[i].packed = packed[i].data_ptr<uint8_t>();
   }
+  team_ = std::all_of(mats_.begin(), mats_.end(), [](const Matrix& m) { return m.packed != nullptr; });
 }
 
 // One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
@@ -171,15 +176,29 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 
+  // A decode step of a model whose products all run on packed int8 weights runs in one parallel region (Team):
+  // its threads meet after each product instead of being forked and joined for each. Each thread keeps its own
+  // copy of the rows between products (the residual stream, the norms' outputs, q after RoPE), computed by the
+  // same loops from the same numbers; the products' and attention's outputs are shared, each thread writing its
+  // own share of them. The bits are the same either way.
+#ifdef _OPENMP
+  const int64_t T = team_ && n <= TEAM_ROWS && !at::in_parallel_region() ? at::get_num_threads() : 1;
+#else
+  const int64_t T = 1;
+#endif
+
   // the step's numbers, each buffer reused by every layer, in one block kept between steps: a decode step's
   // arithmetic is small enough that a dozen fresh allocations would be a visible part of it
   const auto f32 = cos_table.options();
   std::lock_guard<std::mutex> turn(scratch_mutex_);  // steps of one model take turns on its scratch
   int64_t need = 0;
-  auto carve = [&](int64_t count) { const int64_t at = need; need += (count + 15) / 16 * 16; return at; };  // 64 B
-  const int64_t at_xs = carve(n * C), at_x2 = carve(n * C), at_h = carve(n * C), at_qkv = carve(n * HT * D),
-                at_q = carve(n * H * D), at_o = carve(n * C), at_gu = carve(n * 2 * I), at_act = carve(n * I),
-                at_cs = carve(2 * n * D), at_attn = carve(n * H * D), at_rows = carve(R * C),
+  const auto r16 = [](int64_t count) { return (count + 15) / 16 * 16; };  // 64 bytes
+  auto carve = [&](int64_t count) { const int64_t at = need; need += r16(count); return at; };
+  // each thread's own: the residual stream xs, x2, a norm's output h, q, the MLP's activation, the head's rows,
+  // and (in a team) its copy of qkv for RoPE
+  const int64_t own = 3 * r16(n * C) + r16(n * H * D) + r16(n * I) + r16(R * C) + (T > 1 ? r16(n * HT * D) : 0);
+  const int64_t at_own = carve(T * own), at_qkv = carve(n * HT * D), at_o = carve(n * C), at_gu = carve(n * 2 * I),
+                at_cs = carve(2 * n * D), at_attn = carve(n * H * D),
                 at_hb = carve(bf16_ ? (n * std::max({C, I, H * D}) + 1) / 2 : 0),  // bf16: a product's input
                 at_ob = carve(bf16_ ? (n * std::max({HT * D, 2 * I, C}) + 1) / 2 : 0);  // and its output
   torch::Tensor scratch = scratch_;
@@ -188,92 +207,138 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     if (need * static_cast<int64_t>(sizeof(float)) <= KEPT_SCRATCH_BYTES) scratch_ = scratch;
   }
   float* const base = scratch.data_ptr<float>();
-  float *xs = base + at_xs, *x2 = base + at_x2, *hp = base + at_h, *qkvp = base + at_qkv, *qp = base + at_q;
-  float *op = base + at_o, *gup = base + at_gu, *ap = base + at_act, *cp = base + at_cs, *sp = cp + n * D;
-  float *attnp = base + at_attn, *rowsp = base + at_rows;
+  float *qkvp = base + at_qkv, *op = base + at_o, *gup = base + at_gu, *cp = base + at_cs, *sp = cp + n * D;
+  float* attnp = base + at_attn;
   uint16_t *hb = reinterpret_cast<uint16_t*>(base + at_hb), *ob = reinterpret_cast<uint16_t*>(base + at_ob);
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
   }
+  float* const xs0 = base + at_own;  // thread 0's residual stream, where the embedding goes
   if (embed_table_) {  // each token's row of the table, as `embedding` copies it (bf16: widened, exactly)
     for (int64_t i = 0; i < n; ++i)
       for (int64_t c = 0; c < C; ++c) {
         const int64_t at = id[i] * embed_rs_ + c * embed_cs_;
-        xs[i * C + c] = embed_bf16_ ? widen(static_cast<const uint16_t*>(embed_table_)[at])
-                                    : static_cast<const float*>(embed_table_)[at];
+        xs0[i * C + c] = embed_bf16_ ? widen(static_cast<const uint16_t*>(embed_table_)[at])
+                                     : static_cast<const float*>(embed_table_)[at];
       }
   } else {
-    dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs);
+    dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs0);
   }
+  torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
   auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out) {
     bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out);
   };
-  auto product = [](const Matrix& w, const float* x, int64_t rows, float* out) {
+  auto product = [](const Matrix& w, const float* x, int64_t rows, float* out, Team* team) {
     if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out);
-    else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out);
+    else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out, team);
     else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
   };
-  for (int64_t layer = 0; layer < L_; ++layer) {
-    const Matrix* w = &mats_[4 * layer];
-    // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
-    if (bf16_) {  // a bf16 model's product: its input narrowed to bf16 (by the norm), its bf16 output widened
-      add_rms_norm_rows_bf16(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hb);
-      bf16_product(w[0], hb, n, ob);
-      widen_bf16_row(ob, n * HT * D, qkvp);
-    } else {
-      add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
-      product(w[0], hp, n, qkvp);
-    }
-    rope_rows(qkvp, cp, sp, n, HT, H + K, D);
-    if (kv_bf16_) round_bf16_(qkvp, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
-    const int64_t layer_bytes = layer * k_cache.stride(0) * k_cache.element_size();
-    void* kp = static_cast<char*>(k_cache.data_ptr()) + layer_bytes;
-    void* vp = static_cast<char*>(v_cache.data_ptr()) + layer_bytes;
-    for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
-      const float* row = qkvp + i * HT * D;
-      std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
-      if (kv_bf16_) {  // already bf16 numbers: narrowing keeps them exactly
-        for (int64_t j = 0; j < width; ++j) {
-          static_cast<uint16_t*>(kp)[slot[i] * width + j] = narrow_bf16(row[H * D + j]);
-          static_cast<uint16_t*>(vp)[slot[i] * width + j] = narrow_bf16(row[(H + K) * D + j]);
-        }
+  // The layers and the head, on one thread's part of the work: the whole of it without a team.
+  const auto run = [&](Team* team) {
+    const int64_t t = team ? team->tid : 0;
+    const auto sync = [team](const Matrix& next) {  // the team's threads meet; each asks for its next bytes
+      if (!team) return;
+      const auto [at, bytes] = packed_share(next.packed, next.q4_1, next.rows, next.cols, *team);
+      team->sync(at, bytes);
+    };
+    float* p = base + at_own + t * own;
+    const auto take = [&](int64_t count) { float* at = p; p += r16(count); return at; };
+    float *xs = take(n * C), *x2 = take(n * C), *hp = take(n * C), *qp = take(n * H * D), *ap = take(n * I);
+    float *rowsp = take(R * C), *qkv = team ? take(n * HT * D) : qkvp;
+    if (t > 0) std::memcpy(xs, xs0, n * C * sizeof(float));
+    for (int64_t layer = 0; layer < L_; ++layer) {
+      const Matrix* w = &mats_[4 * layer];
+      // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
+      if (bf16_) {  // a bf16 model's product: its input narrowed to bf16 (by the norm), its bf16 output widened
+        add_rms_norm_rows_bf16(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hb);
+        bf16_product(w[0], hb, n, ob);
+        widen_bf16_row(ob, n * HT * D, qkvp);
       } else {
-        std::memcpy(static_cast<float*>(kp) + slot[i] * width, row + H * D, width * sizeof(float));
-        std::memcpy(static_cast<float*>(vp) + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+        add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
+        product(w[0], hp, n, qkvp, team);
       }
+      if (team) {  // each thread ropes its own copy
+        sync(w[1]);
+        std::memcpy(qkv, qkvp, n * HT * D * sizeof(float));
+      }
+      rope_rows(qkv, cp, sp, n, HT, H + K, D);
+      if (kv_bf16_) round_bf16_(qkv, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
+      const int64_t layer_bytes = layer * k_cache.stride(0) * k_cache.element_size();
+      void* kp = static_cast<char*>(k_cache.data_ptr()) + layer_bytes;
+      void* vp = static_cast<char*>(v_cache.data_ptr()) + layer_bytes;
+      for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
+        const float* row = qkv + i * HT * D;
+        std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
+        if (t > 0) continue;  // thread 0 writes the step's k/v
+        if (kv_bf16_) {  // already bf16 numbers: narrowing keeps them exactly
+          for (int64_t j = 0; j < width; ++j) {
+            static_cast<uint16_t*>(kp)[slot[i] * width + j] = narrow_bf16(row[H * D + j]);
+            static_cast<uint16_t*>(vp)[slot[i] * width + j] = narrow_bf16(row[(H + K) * D + j]);
+          }
+        } else {
+          std::memcpy(static_cast<float*>(kp) + slot[i] * width, row + H * D, width * sizeof(float));
+          std::memcpy(static_cast<float*>(vp) + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+        }
+      }
+      sync(w[1]);
+      paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
+                           R_req, block_tables.size(1), scale, split_keys, attnp, team);
+      sync(w[1]);
+      if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
+        narrow_bf16_row(attnp, n * H * D, hb);
+        bf16_product(w[1], hb, n, ob);
+        add_rms_norm_rows_bf16(xs, ob, norms_[2 * layer + 1], n, C, eps_, x2, hb);
+        bf16_product(w[2], hb, n, ob);
+        silu_mul_rows_bf16(ob, n, I, hb);
+        bf16_product(w[3], hb, n, ob);
+        widen_bf16_row(ob, n * C, op);
+      } else {
+        product(w[1], attnp, n, op, team);
+        sync(w[2]);
+        add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
+        // the MLP: x + w_down(silu(gate) * up)
+        product(w[2], hp, n, gup, team);
+        sync(w[3]);
+        silu_mul_rows(gup, n, I, ap);
+        product(w[3], ap, n, op, team);
+        sync(w[4]);
+      }
+      for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
     }
-    paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
-                         R_req, block_tables.size(1), scale, split_keys, attnp);
-    if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
-      narrow_bf16_row(attnp, n * H * D, hb);
-      bf16_product(w[1], hb, n, ob);
-      add_rms_norm_rows_bf16(xs, ob, norms_[2 * layer + 1], n, C, eps_, x2, hb);
-      bf16_product(w[2], hb, n, ob);
-      silu_mul_rows_bf16(ob, n, I, hb);
-      bf16_product(w[3], hb, n, ob);
-      widen_bf16_row(ob, n * C, op);
+    add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
+    for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
+    if (bf16_) {
+      torch::Tensor head = torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16));
+      narrow_bf16_row(rowsp, R * C, hb);
+      bf16_product(mats_[4 * L_], hb, R, static_cast<uint16_t*>(head.data_ptr()));
+      widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
     } else {
-      product(w[1], attnp, n, op);
-      add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
-      // the MLP: x + w_down(silu(gate) * up)
-      product(w[2], hp, n, gup);
-      silu_mul_rows(gup, n, I, ap);
-      product(w[3], ap, n, op);
+      product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>(), team);
     }
-    for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
+  };
+  if (T == 1) {
+    run(nullptr);
+    return logits;
   }
-  add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
-  torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
-  for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
-  if (bf16_) {
-    torch::Tensor head = torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16));
-    narrow_bf16_row(rowsp, R * C, hb);
-    bf16_product(mats_[4 * L_], hb, R, static_cast<uint16_t*>(head.data_ptr()));
-    widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
-  } else {
-    product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>());
+#ifdef _OPENMP
+  Team::Shared shared;
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel num_threads(T)
+  {
+    Team team(shared, omp_get_thread_num(), omp_get_num_threads());
+    try {
+      run(&team);
+    } catch (const Team::Abandoned&) {  // another thread's error ends the step: it is the one reported
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      shared.failed = true;
+    }
   }
+  if (error) std::rethrow_exception(error);
+#endif
   return logits;
 }
