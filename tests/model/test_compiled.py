@@ -3,6 +3,8 @@ whole prompts, decode steps and chunks after a cached context, ragged batches, a
 int8 activations, fp32 or bf16 tiles; the same K/V written into the pool; whole prompts on a bf16 pool and models
 off blocks and tiles left to the Python forward; bad metadata refused by name."""
 
+import os
+
 import pytest
 import torch
 
@@ -181,12 +183,15 @@ def team_case(tiny_cfg, block_size=4):
 
 @pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
 @pytest.mark.parametrize("split_keys", [0, 8])
-def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys):
+@pytest.mark.parametrize("team", ["torch's threads", "twice the cores"])
+def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys, team):
     """A decode step of few rows runs as one team of threads meeting between products; split rows' pieces are
-    shared among them and merged after. The logits and the k/v written are those of the step on one thread."""
+    shared among them and merged after. The logits and the k/v written are those of the step on one thread,
+    also with more threads than cores (whose waits give their cores away)."""
     threads = torch.get_num_threads()
+    size = threads if team == "torch's threads" else 2 * (os.cpu_count() or 1)
     out = {}
-    for n_threads in (threads, 1):
+    for n_threads in (size, 1):
         torch.set_num_threads(n_threads)
         try:
             manager, fast, tables = team_case(tiny_cfg)
@@ -198,7 +203,7 @@ def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys):
             out[n_threads] = (fast.block_step(ids, md, fast.storage, split_keys=split_keys), fast.storage.k.clone())
         finally:
             torch.set_num_threads(threads)
-    (logits, k), (one, k_one) = out[threads], out[1]
+    (logits, k), (one, k_one) = out[size], out[1]
     assert logits.shape == (3, tiny_cfg.vocab_size)
     assert torch.equal(logits, one) and torch.equal(k, k_one)
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <type_traits>
@@ -155,18 +156,23 @@ class Team {
   };
   struct Abandoned {};  // thrown at sync() when another thread of the team failed
 
-  Team(Shared& shared, int64_t tid, int64_t size) : shared_(shared), tid(tid), size(size) {}
+  Team(Shared& shared, int64_t tid, int64_t size)
+      : shared_(shared), tid(tid), size(size),
+        spin_(size > static_cast<int64_t>(std::thread::hardware_concurrency()) ? 1 << 8 : 1 << 18) {}
   const int64_t tid, size;
 
   // Wait until every thread has arrived: what each wrote before is then seen by all. A thread that waits asks
   // meanwhile for the first bytes of what it reads next (`ahead`, into L2), so that the wait is not all lost.
+  // A long wait gives the core away, since the thread waited for may be waiting for a core: soon where the team
+  // has more threads than the machine has cores, after a millisecond or so where other work shares them.
   void sync(const uint8_t* ahead = nullptr, int64_t bytes = 0) {
     const int64_t goal = ++passed_ * size;
     shared_.arrived.fetch_add(1, std::memory_order_acq_rel);
     bytes = std::min<int64_t>(bytes, 64 << 10);
-    for (int64_t at = 0; shared_.arrived.load(std::memory_order_acquire) < goal; at += 64) {
+    for (int64_t turn = 0; shared_.arrived.load(std::memory_order_acquire) < goal; ++turn) {
       if (shared_.failed.load(std::memory_order_relaxed)) throw Abandoned{};
-      if (at < bytes) __builtin_prefetch(ahead + at, 0, 2);
+      if (64 * turn < bytes) __builtin_prefetch(ahead + 64 * turn, 0, 2);
+      else if (turn > spin_) std::this_thread::yield();
     }
   }
   // Tasks 0..n-1 to whichever thread asks first, as for_each_task hands them out; every thread of the team calls
@@ -204,6 +210,7 @@ class Team {
     }
   }
   Shared& shared_;
+  const int64_t spin_;  // turns of waiting before each turn yields
   int64_t passed_ = 0;
   uint64_t rounds_ = 0;
 };
