@@ -169,10 +169,8 @@ def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cf
                             tiny_cfg.rms_norm_eps, False)
 
 
-def team_case(tiny_cfg, block_size=4):
-    """A tiny int8 model whose products all read packed copies (a decode step then runs as one team), a runner,
-    and a pool holding three requests of 9, 30 and 61 tokens."""
-    model = to_blocks(Llama.random(tiny_cfg, seed=9), activations="int8")
+def team_case(model, block_size=4):
+    """A runner of the compiled step and a pool holding three requests of 9, 30 and 61 tokens."""
     manager, fast, _ = runners(model, 64, block_size)
     tables = [manager.new_table() for _ in range(3)]
     for t, n in zip(tables, (9, 30, 61)):
@@ -181,10 +179,9 @@ def team_case(tiny_cfg, block_size=4):
     return manager, fast, tables
 
 
-@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
 @pytest.mark.parametrize("split_keys", [0, 8])
 @pytest.mark.parametrize("team", ["torch's threads", "twice the cores"])
-def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys, team):
+def test_a_team_step_has_the_bits_of_one_thread(tiny_blocks, split_keys, team):
     """A decode step of few rows runs as one team of threads meeting between products; split rows' pieces are
     shared among them and merged after. The logits and the k/v written are those of the step on one thread,
     also with more threads than cores (whose waits give their cores away)."""
@@ -194,7 +191,7 @@ def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys, 
     for n_threads in (size, 1):
         torch.set_num_threads(n_threads)
         try:
-            manager, fast, tables = team_case(tiny_cfg)
+            manager, fast, tables = team_case(tiny_blocks)
             starts = [t.num_tokens for t in tables]
             new = [[7], [7, 8], [7]]
             for t, ids in zip(tables, new):
@@ -204,15 +201,14 @@ def test_a_team_step_has_the_bits_of_one_thread(tiny_cfg, compiled, split_keys, 
         finally:
             torch.set_num_threads(threads)
     (logits, k), (one, k_one) = out[size], out[1]
-    assert logits.shape == (3, tiny_cfg.vocab_size)
+    assert logits.shape == (3, tiny_blocks.cfg.vocab_size)
     assert torch.equal(logits, one) and torch.equal(k, k_one)
 
 
-@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
 def test_a_bad_block_in_a_team_step_is_refused_and_the_next_step_runs(tiny_cfg, compiled):
     """A request's block outside the pool is found inside the team's parallel region, where every thread checks
     it: the step raises it by name instead of leaving a thread waiting for another, and the next step runs."""
-    manager, fast, tables = team_case(tiny_cfg)
+    manager, fast, tables = team_case(to_blocks(Llama.random(tiny_cfg, seed=9), activations="int8"))
     start = tables[2].num_tokens
     manager.append_slots(tables[2], [7])
     ids, md = prepare([Chunk([7], start, tables[2].blocks)], manager.block_size)

@@ -382,11 +382,12 @@ Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
 
 // x (B, K) quantized by `road`, then times the N weight rows at w: out (B, N). Threads split the weight rows; a
 // task's rows stay in cache while every tile of x passes over them.
-void product(const Road& road, Fmt f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
+void product(const Road& road, Fmt f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+             Team* team = nullptr) {
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
   const uint8_t* w_end = w + N * row_bytes;
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+  parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK)
       road.rows(f, w, row_bytes, o0, std::min(end, o0 + ROWS_PER_TASK), z.acts, B, out, N, w_end);
   });
@@ -462,37 +463,20 @@ const Road& best() {
 
 bool packed_here() { return best().layout != Layout::NONE; }
 
-std::pair<int64_t, int64_t> share(int64_t N, const Team& team);
-
 // x (B, K) quantized, its quads transposed, then times a weight of N rows packed in `road`'s layout: out (B, N).
 // Threads split the rows in groups of four; a task's 16 rows stay in cache while every tile of x passes over them.
-// With a team, each of its threads quantizes x for itself and computes its share of the rows, as
-// at::parallel_for would have split them.
+// With a team, each of its threads quantizes x for itself and computes its share of the rows.
 void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B,
-                    float* out, const Team* team = nullptr) {
+                    float* out, Team* team = nullptr) {
   TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
-  const auto rows = [&](int64_t begin, int64_t end) {
+  parallel_rows(team, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
-  };
-  if (team == nullptr) {
-    at::parallel_for(0, (N + 3) / 4, GROUPS, rows);
-    return;
-  }
-  const auto [begin, end] = share(N, *team);
-  rows(begin, end);
-}
-
-// A team thread's row groups of a weight of N rows: at::parallel_for(0, groups, GROUPS)'s cut.
-std::pair<int64_t, int64_t> share(int64_t N, const Team& team) {
-  constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
-  const int64_t G = (N + 3) / 4, threads = std::min(team.size, (G + GROUPS - 1) / GROUPS);
-  const int64_t chunk = (G + threads - 1) / threads, begin = std::min(G, team.tid * chunk);
-  return {begin, std::min(G, begin + chunk)};
+  });
 }
 
 Fmt checked_fmt(const std::string& fmt) {
@@ -558,14 +542,16 @@ torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, st
 
 // x (B, K) times a weight of N rows held as blocks -> out (B, N), on the best road this CPU has: block_linear_int8
 // on raw numbers, for callers that have checked the shapes (BlockModel, step.cpp).
-void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
-  if (B > 0 && N > 0) int8q::product(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out);
+void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                        Team* team) {
+  if (B > 0 && N > 0)
+    int8q::product(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, w, N, K, x, B, out, team);
 }
 
 std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
                                                 const Team& team) {
   const int64_t group_bytes = 4 * K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES);
-  const auto [begin, end] = int8q::share(N, team);
+  const auto [begin, end] = team.share((N + 3) / 4, int8q::ROWS_PER_TASK / 4);
   return {packed + begin * group_bytes, (end - begin) * group_bytes};
 }
 
@@ -573,7 +559,7 @@ std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1
 bool int8_packed_here() { return int8q::packed_here(); }
 
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
-                               float* out, const Team* team) {
+                               float* out, Team* team) {
   if (B > 0 && N > 0)
     int8q::product_packed(int8q::best(), q4_1 ? int8q::Fmt::Q4_1 : int8q::Fmt::Q8_0, packed, N, K, x, B, out, team);
 }

@@ -694,15 +694,9 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
       for (int64_t d = 0; d < D; ++d) dst[d] = o[d] * inv;
     }
   };
-  const int64_t n_jobs = static_cast<int64_t>(jobs.size());
-  if (team == nullptr) {
-    for_each_task<Scratch>(n_jobs, run_piece);
-    at::parallel_for(0, R * H, 1, merge);
-  } else {
-    team->for_each_task<Scratch>(n_jobs, run_piece);
-    team->sync();  // every piece in place before any row merges its own
-    team->parallel_for(R * H, merge);
-  }
+  for_each_task<Scratch>(team, static_cast<int64_t>(jobs.size()), run_piece);
+  if (team) team->sync();  // every piece in place before any row merges its own
+  parallel_rows(team, R * H, 1, merge);
 }
 
 }  // namespace
@@ -808,9 +802,7 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
         value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, sc.at.data(), od + (row * H + h_first) * D);
       }
     };
-    const int64_t n_tasks = per_head ? n_tiles * K : n_tiles;
-    if (team) team->for_each_task<Scratch>(n_tasks, tile_task);
-    else for_each_task<Scratch>(n_tasks, tile_task);
+    for_each_task<Scratch>(team, per_head ? n_tiles * K : n_tiles, tile_task);
     if (!split.empty()) split_decode(split, qd, kd, vd, od, tables, W, BS, H, K, D, fscale, split_keys, team);
   };
   if (bf16)

@@ -280,13 +280,14 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N)
 }
 
 // bf16_tiles_linear on raw numbers (step.cpp): x (M, 2P) bf16 times nt tiles of P pairs -> out (M, nt * TILE) bf16.
-void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out) {
+void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out,
+                        Team* team) {
 #if defined(__x86_64__) || defined(_M_X64)
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(tiles);
-  const int64_t want = at::get_num_threads() * PAIR_TASKS_PER_THREAD, width = nt * TILE;
+  const int64_t want = (team ? team->size : at::get_num_threads()) * PAIR_TASKS_PER_THREAD, width = nt * TILE;
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
-  for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
+  for_each_task<int>(team, (nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per;
     pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, out + t0 * TILE);
   });

@@ -231,10 +231,10 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N) {
 }
 
 // fp32_linear on raw numbers (step.cpp): x (M, K) times nt tiles -> out (M, nt * TILE).
-void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out) {
-  const int64_t want = at::get_num_threads() * TASKS_PER_THREAD, width = nt * TILE;
+void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out, Team* team) {
+  const int64_t want = (team ? team->size : at::get_num_threads()) * TASKS_PER_THREAD, width = nt * TILE;
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
-  for_each_task<int>((nt + per - 1) / per, [&](int64_t task, int&) {
+  for_each_task<int>(team, (nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per, n = std::min(per, nt - t0);
     if (M < MANY) few_rows(x, M, K, tiles + t0 * K * TILE, n, width, out + t0 * TILE);
     else many_rows(x, M, K, tiles + t0 * K * TILE, n, width, out + t0 * TILE);

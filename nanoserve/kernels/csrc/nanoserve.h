@@ -64,8 +64,10 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N)
 torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
-void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out);
-void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out);
+void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out,
+                  Team* team = nullptr);
+void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out,
+                        Team* team = nullptr);
 void add_rms_norm_rows_bf16(const float* x, const uint16_t* residual, const float* weight, int64_t n, int64_t C,
                             float eps, float* out, uint16_t* h);
 void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t* out);
@@ -76,10 +78,12 @@ void add_rms_norm_rows(const float* x, const float* residual, const float* weigh
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
 void round_bf16_(float* x, int64_t n);
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
-void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
-void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out);
+void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                   Team* team = nullptr);
+void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                        Team* team = nullptr);
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
-                               float* out, const Team* team = nullptr);
+                               float* out, Team* team = nullptr);
 // The packed bytes a team thread's share of that product reads (where it starts, how many).
 std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
                                                 const Team& team);
@@ -122,8 +126,7 @@ class BlockModel {
   int64_t L_, H_, K_, C_, I_;
   float eps_;
   bool kv_bf16_;  // q, k, v rounded to bf16 after RoPE, and the K/V pools bf16 (Block.kv_dtype)
-  bool team_ = false;  // every product on packed int8 weights: a step of few rows runs as one Team
-  static constexpr int64_t TEAM_ROWS = 8;  // steps of at most this many rows (decode steps of small batches)
+  static constexpr int64_t TEAM_ROWS = 8;  // a step of at most this many rows runs as one Team (decode steps)
   static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
   torch::Tensor scratch_ = torch::empty({0});
   std::mutex scratch_mutex_;
@@ -183,11 +186,11 @@ class Team {
     Scratch scratch;
     for (int64_t task = take(round, n); task >= 0; task = take(round, n)) work(task, scratch);
   }
-  // f(begin, end) on this thread's share of 0..n-1, cut as at::parallel_for(0, n, 1, f) cuts it.
-  template <class F>
-  void parallel_for(int64_t n, const F& f) const {
-    const int64_t chunk = (n + size - 1) / size;
-    if (tid * chunk < n) f(tid * chunk, std::min(n, (tid + 1) * chunk));
+  // This thread's share (begin, end) of 0..n-1, cut as at::parallel_for(0, n, grain, f) cuts it.
+  std::pair<int64_t, int64_t> share(int64_t n, int64_t grain = 1) const {
+    const int64_t threads = std::max<int64_t>(1, std::min(size, (n + grain - 1) / grain));
+    const int64_t chunk = (n + threads - 1) / threads, begin = std::min(n, tid * chunk);
+    return {begin, std::min(n, begin + chunk)};
   }
   // A buffer of at least `count` floats that every thread of the team sees (it syncs twice).
   float* buffer(int64_t count) {
@@ -214,6 +217,24 @@ class Team {
   int64_t passed_ = 0;
   uint64_t rounds_ = 0;
 };
+
+// at::parallel_for(0, n, grain, f) on torch's threads, or on a team this thread's share of the same cut.
+template <class F>
+void parallel_rows(Team* team, int64_t n, int64_t grain, const F& f) {
+  if (team == nullptr) {
+    at::parallel_for(0, n, grain, f);
+    return;
+  }
+  const auto [begin, end] = team->share(n, grain);
+  if (begin < end) f(begin, end);
+}
+
+// for_each_task(n, work) on torch's threads, or on a team.
+template <class Scratch, class Work>
+void for_each_task(Team* team, int64_t n, const Work& work) {
+  if (team) team->for_each_task<Scratch>(n, work);
+  else for_each_task<Scratch>(n, work);
+}
 
 // f(std::integral_constant<int, m>{}) for a row count m in 1..MAX known only at run time: a register tile's rows are
 // a template argument (matmul_fp32.cpp's and matmul_bf16.cpp's tiles).

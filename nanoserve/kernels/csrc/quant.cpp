@@ -299,12 +299,12 @@ void rows_tile(int rows, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_
 }
 
 template <Fmt F>
-void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, float* out) {
+void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, float* out, Team* team = nullptr) {
   constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
   const int64_t K = nb * QK, row_bytes = nb * BYTES;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   if (F == Fmt::Q4_1 && B > 2 * TILE) {  // each weight row expanded once, then every row of x over it
-    at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
       std::vector<float> wf(K);
       for (int64_t o = begin; o < end; ++o) {
         expand_row<F>(w + o * row_bytes, nb, wf.data());
@@ -322,7 +322,7 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
 #endif
   // Threads split the weight rows. A task's rows (a few KB of blocks) stay in cache while every tile
   // of x passes over them, so each block is read from memory once per call, whatever B is.
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+  parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK) {
       const int64_t o1 = std::min(end, o0 + ROWS_PER_TASK);
       for (int64_t b0 = 0; b0 < B; b0 += TILE) {
@@ -359,9 +359,10 @@ void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids,
 
 // x (B, K) times a weight of N rows held as blocks (N, K / 32 * block bytes) -> out (B, N): block_linear on
 // raw numbers, for callers that have checked the shapes (BlockModel, step.cpp).
-void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out) {
-  if (q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x, B, out);
-  else matmul<Fmt::Q8_0>(w, N, K / QK, x, B, out);
+void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                   Team* team) {
+  if (q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x, B, out, team);
+  else matmul<Fmt::Q8_0>(w, N, K / QK, x, B, out, team);
 }
 
 // x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N).

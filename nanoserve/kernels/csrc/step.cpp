@@ -127,7 +127,6 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     keep_.push_back(packed[i]);
     mats_[i].packed = packed[i].data_ptr<uint8_t>();
   }
-  team_ = std::all_of(mats_.begin(), mats_.end(), [](const Matrix& m) { return m.packed != nullptr; });
 }
 
 // One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
@@ -176,13 +175,12 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
 
-  // A decode step of a model whose products all run on packed int8 weights runs in one parallel region (Team):
-  // its threads meet after each product instead of being forked and joined for each. Each thread keeps its own
-  // copy of the rows between products (the residual stream, the norms' outputs, q after RoPE), computed by the
-  // same loops from the same numbers; the products' and attention's outputs are shared, each thread writing its
-  // own share of them. The bits are the same either way.
+  // A decode step runs in one parallel region (Team): its threads meet after each product instead of being
+  // forked and joined for each. Each thread keeps its own copy of the rows between products (the residual
+  // stream, the norms' outputs, q after RoPE), computed by the same loops from the same numbers; the products'
+  // and attention's outputs are shared, each thread writing its own share of them. The bits are the same.
 #ifdef _OPENMP
-  const int64_t T = team_ && n <= TEAM_ROWS && !at::in_parallel_region() ? at::get_num_threads() : 1;
+  const int64_t T = n <= TEAM_ROWS && !at::in_parallel_region() ? at::get_num_threads() : 1;
 #else
   const int64_t T = 1;
 #endif
@@ -195,12 +193,14 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   const auto r16 = [](int64_t count) { return (count + 15) / 16 * 16; };  // 64 bytes
   auto carve = [&](int64_t count) { const int64_t at = need; need += r16(count); return at; };
   // each thread's own: the residual stream xs, x2, a norm's output h, q, the MLP's activation, the head's rows,
-  // and (in a team) its copy of qkv for RoPE
-  const int64_t own = 3 * r16(n * C) + r16(n * H * D) + r16(n * I) + r16(R * C) + (T > 1 ? r16(n * HT * D) : 0);
+  // (in a team) its copy of qkv for RoPE, (bf16) a product's input; shared: the products' outputs, attention's
+  const int64_t hb_n = bf16_ ? (R * C + n * std::max({C, I, H * D}) + 1) / 2 : 0;
+  const int64_t own = 3 * r16(n * C) + r16(n * H * D) + r16(n * I) + r16(R * C) + (T > 1 ? r16(n * HT * D) : 0) +
+                      r16(hb_n);
   const int64_t at_own = carve(T * own), at_qkv = carve(n * HT * D), at_o = carve(n * C), at_gu = carve(n * 2 * I),
                 at_cs = carve(2 * n * D), at_attn = carve(n * H * D),
-                at_hb = carve(bf16_ ? (n * std::max({C, I, H * D}) + 1) / 2 : 0),  // bf16: a product's input
-                at_ob = carve(bf16_ ? (n * std::max({HT * D, 2 * I, C}) + 1) / 2 : 0);  // and its output
+                at_ob = carve(bf16_ ? (n * std::max(HT * D, C) + 1) / 2 : 0),  // bf16: qkv's and wo's outputs,
+                at_ob2 = carve(bf16_ ? n * I : 0), at_ob3 = carve(bf16_ ? (n * C + 1) / 2 : 0);  // gate_up's, down's
   torch::Tensor scratch = scratch_;
   if (scratch.numel() < need) {
     scratch = torch::empty({need}, f32);  // kept unless it is a long prompt chunk's
@@ -209,7 +209,8 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   float* const base = scratch.data_ptr<float>();
   float *qkvp = base + at_qkv, *op = base + at_o, *gup = base + at_gu, *cp = base + at_cs, *sp = cp + n * D;
   float* attnp = base + at_attn;
-  uint16_t *hb = reinterpret_cast<uint16_t*>(base + at_hb), *ob = reinterpret_cast<uint16_t*>(base + at_ob);
+  const auto u16 = [base](int64_t at) { return reinterpret_cast<uint16_t*>(base + at); };
+  uint16_t *ob = u16(at_ob), *ob2 = u16(at_ob2), *ob3 = u16(at_ob3);
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
@@ -226,20 +227,22 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs0);
   }
   torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
-  auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out) {
-    bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out);
+  torch::Tensor head = bf16_ ? torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16)) : logits;
+  auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out, Team* team) {
+    bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out, team);
   };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out, Team* team) {
-    if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out);
+    if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out, team);
     else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out, team);
-    else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
-    else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out);
+    else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
+    else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
   };
   // The layers and the head, on one thread's part of the work: the whole of it without a team.
   const auto run = [&](Team* team) {
     const int64_t t = team ? team->tid : 0;
-    const auto sync = [team](const Matrix& next) {  // the team's threads meet; each asks for its next bytes
+    const auto sync = [team](const Matrix& next) {  // the team's threads meet; each asks for its next packed bytes
       if (!team) return;
+      if (!next.packed) return team->sync();
       const auto [at, bytes] = packed_share(next.packed, next.q4_1, next.rows, next.cols, *team);
       team->sync(at, bytes);
     };
@@ -247,21 +250,23 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     const auto take = [&](int64_t count) { float* at = p; p += r16(count); return at; };
     float *xs = take(n * C), *x2 = take(n * C), *hp = take(n * C), *qp = take(n * H * D), *ap = take(n * I);
     float *rowsp = take(R * C), *qkv = team ? take(n * HT * D) : qkvp;
+    uint16_t* hb = reinterpret_cast<uint16_t*>(take(hb_n));
     if (t > 0) std::memcpy(xs, xs0, n * C * sizeof(float));
     for (int64_t layer = 0; layer < L_; ++layer) {
       const Matrix* w = &mats_[4 * layer];
       // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
       if (bf16_) {  // a bf16 model's product: its input narrowed to bf16 (by the norm), its bf16 output widened
         add_rms_norm_rows_bf16(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hb);
-        bf16_product(w[0], hb, n, ob);
-        widen_bf16_row(ob, n * HT * D, qkvp);
+        bf16_product(w[0], hb, n, ob, team);
+        sync(w[1]);
+        widen_bf16_row(ob, n * HT * D, qkv);
       } else {
         add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
         product(w[0], hp, n, qkvp, team);
-      }
-      if (team) {  // each thread ropes its own copy
-        sync(w[1]);
-        std::memcpy(qkv, qkvp, n * HT * D * sizeof(float));
+        if (team) {  // each thread ropes its own copy
+          sync(w[1]);
+          std::memcpy(qkv, qkvp, n * HT * D * sizeof(float));
+        }
       }
       rope_rows(qkv, cp, sp, n, HT, H + K, D);
       if (kv_bf16_) round_bf16_(qkv, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
@@ -286,14 +291,19 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
       paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
                            R_req, block_tables.size(1), scale, split_keys, attnp, team);
       sync(w[1]);
+      const float* mlp_out = op;
       if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
         narrow_bf16_row(attnp, n * H * D, hb);
-        bf16_product(w[1], hb, n, ob);
+        bf16_product(w[1], hb, n, ob, team);
+        sync(w[2]);
         add_rms_norm_rows_bf16(xs, ob, norms_[2 * layer + 1], n, C, eps_, x2, hb);
-        bf16_product(w[2], hb, n, ob);
-        silu_mul_rows_bf16(ob, n, I, hb);
-        bf16_product(w[3], hb, n, ob);
-        widen_bf16_row(ob, n * C, op);
+        bf16_product(w[2], hb, n, ob2, team);
+        sync(w[3]);
+        silu_mul_rows_bf16(ob2, n, I, hb);
+        bf16_product(w[3], hb, n, ob3, team);  // not ob: the next layer's qkv goes there while this is read
+        sync(w[4]);
+        widen_bf16_row(ob3, n * C, hp);  // each thread widens it for itself
+        mlp_out = hp;
       } else {
         product(w[1], attnp, n, op, team);
         sync(w[2]);
@@ -305,21 +315,23 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
         product(w[3], ap, n, op, team);
         sync(w[4]);
       }
-      for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + op[j];
+      for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + mlp_out[j];
     }
     add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
     for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
     if (bf16_) {
-      torch::Tensor head = torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16));
       narrow_bf16_row(rowsp, R * C, hb);
-      bf16_product(mats_[4 * L_], hb, R, static_cast<uint16_t*>(head.data_ptr()));
-      widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
+      bf16_product(mats_[4 * L_], hb, R, static_cast<uint16_t*>(head.data_ptr()), team);
     } else {
       product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>(), team);
     }
   };
+  const auto widen_head = [&] {  // a bf16 model's logits, widened
+    if (bf16_) widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
+  };
   if (T == 1) {
     run(nullptr);
+    widen_head();
     return logits;
   }
 #ifdef _OPENMP
@@ -340,5 +352,6 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   }
   if (error) std::rethrow_exception(error);
 #endif
+  widen_head();
   return logits;
 }
