@@ -148,7 +148,7 @@ void for_each_task(int64_t n, const Work& work) {
 // The threads of one parallel region that a whole decode step runs in (step.cpp), thread `tid` of `size`. A
 // decode step's products are small: forking the threads for each and joining them after costs several trips of
 // a cache line between cores, a visible part of the step. A team forks once per step; its threads meet at
-// sync() where a product's output must be whole, and share tasks through take().
+// sync() where a product's output must be whole, and share tasks through for_each_task.
 class Team {
  public:
   struct Shared {
@@ -160,7 +160,7 @@ class Team {
   struct Abandoned {};  // thrown at sync() when another thread of the team failed
 
   Team(Shared& shared, int64_t tid, int64_t size)
-      : shared_(shared), tid(tid), size(size),
+      : tid(tid), size(size), shared_(shared),
         spin_(size > static_cast<int64_t>(std::thread::hardware_concurrency()) ? 1 << 8 : 1 << 18) {}
   const int64_t tid, size;
 
