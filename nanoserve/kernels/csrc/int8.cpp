@@ -57,6 +57,7 @@ constexpr int64_t Q8_0_BYTES = 34;  // fp16 d, 32 signed bytes
 constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lane b % 16)
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
+constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's task: groups of four rows
 
 enum class Fmt { Q4_1, Q8_0 };
 
@@ -472,10 +473,9 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
-  constexpr int64_t GROUPS = ROWS_PER_TASK / 4;
-  parallel_rows(team, (N + 3) / 4, GROUPS, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; g += GROUPS)
-      road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS), z.acts, B, out, N);
+  parallel_rows(team, (N + 3) / 4, GROUPS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; g += GROUPS_PER_TASK)
+      road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS_PER_TASK), z.acts, B, out, N);
   });
 }
 
@@ -551,7 +551,7 @@ void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const
 std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
                                                 const Team& team) {
   const int64_t group_bytes = 4 * K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES);
-  const auto [begin, end] = team.share((N + 3) / 4, int8q::ROWS_PER_TASK / 4);
+  const auto [begin, end] = team.share((N + 3) / 4, int8q::GROUPS_PER_TASK);  // product_packed's cut
   return {packed + begin * group_bytes, (end - begin) * group_bytes};
 }
 
