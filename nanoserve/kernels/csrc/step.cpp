@@ -194,7 +194,7 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   auto carve = [&](int64_t count) { const int64_t at = need; need += r16(count); return at; };
   // each thread's own: the residual stream xs, x2, a norm's output h, q, the MLP's activation, the head's rows,
   // (in a team) its copy of qkv for RoPE, (bf16) a product's input; shared: the products' outputs, attention's
-  const int64_t hb_n = bf16_ ? (R * C + n * std::max({C, I, H * D}) + 1) / 2 : 0;
+  const int64_t hb_n = bf16_ ? (std::max(R * C, n * std::max({C, I, H * D})) + 1) / 2 : 0;  // never both at once
   const int64_t own = 3 * r16(n * C) + r16(n * H * D) + r16(n * I) + r16(R * C) + (T > 1 ? r16(n * HT * D) : 0) +
                       r16(hb_n);
   const int64_t at_own = carve(T * own), at_qkv = carve(n * HT * D), at_o = carve(n * C), at_gu = carve(n * 2 * I),
