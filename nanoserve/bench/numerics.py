@@ -5,9 +5,10 @@ Five formats of one checkpoint, loaded side by side: fp32 (the exact default), b
 blocks on int8 activations (`activations="int8"`), and those with a bf16 K/V cache (`kv_cache_dtype="bfloat16"`).
 Against fp32, on text that ships with Python itself (`pydoc_data`, no download): logit error (max, mean),
 perplexity, and greedy agreement over many prompts (where the first divergence falls, and fp32's lead there). Then
-speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, batch 1's weight
-bytes as a fraction of the read bandwidth (measured just before each batch-1 decode; the median of each decode's
-fraction), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32) and
+speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, the bytes batch 1's
+step reads (every weight once, and the request's K/V over its context, as `step_roofline` counts them) as a
+fraction of the read bandwidth (measured just before each batch-1 decode; the median of each decode's fraction),
+and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32) and
 one row per greedy prompt (`-greedy.csv`).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import kv_bytes_per_token
 from ..engine import LLMEngine
 from ..kernels import int8
 from ..loader import load
@@ -96,10 +98,14 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
     return rows
 
 
-def decode_tok_s(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> float:
-    """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step)."""
+def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> tuple[float, float]:
+    """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step), and
+    the bytes per second the step reads: every weight once, each request's K/V over its context (the median step's)."""
     recs = decode_records(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
-    return len(prompts) / statistics.median(r.total_s for r in recs)
+    step_s = statistics.median(r.total_s for r in recs)
+    kv = kv_bytes_per_token(model.cfg, model.kv_dtype.itemsize)
+    read = statistics.median(model.weight_bytes() + kv * sum(s + n for _, s, n in r.scheduled) for r in recs)
+    return len(prompts) / step_s, read / step_s
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -139,10 +145,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                      for f, t in zip(formats, times)]
     bandwidths: list[float] = []
     for b in args.batch_sizes:
-        # per round, per format: (tok/s, at batch 1 the read bandwidth measured just before it): a shared
-        # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
+        # per round, per format: (at batch 1 the read bandwidth measured just before it, tok/s, bytes/s read): a
+        # shared machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
         per_round = [[(measure_bandwidth(2**28, 3)[0] if b == 1 else 0.0,
-                       decode_tok_s(m, tok, prompts[:b], args.steps)) for m in models.values()]
+                       *decode_speed(m, tok, prompts[:b], args.steps)) for m in models.values()]
                      for _ in range(args.repeats)]
         for i, f in enumerate(formats):
             tok_s = statistics.median(r[i][1] for r in per_round)
@@ -150,7 +156,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             if b == 1:
                 bandwidths += [r[i][0] for r in per_round]
                 rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1, value=statistics.median(
-                    models[f].weight_bytes() * t / bw for bw, t in (r[i] for r in per_round))))
+                    read / bw for bw, _, read in (r[i] for r in per_round))))
     read_bw = statistics.median(bandwidths) if bandwidths else measure_bandwidth()[0]
     w = ragged_workload(tok, args.requests, seed=args.seed)
     for rate in args.rates:

@@ -6,6 +6,7 @@ import math
 import torch
 
 from nanoserve.bench import numerics
+from nanoserve.config import kv_bytes_per_token
 from nanoserve.model import Llama
 
 
@@ -41,3 +42,11 @@ def test_divergences_name_the_first_differing_step_and_fp32s_lead_there(tiny_mod
 
 def test_greedy_rows_go_beside_the_main_csv():
     assert str(numerics.greedy_path("data/bench-numerics.csv")) == "data/bench-numerics-greedy.csv"
+
+
+def test_decode_speed_counts_every_weight_and_the_context_kv_a_step_reads(tiny_model, tok):
+    # a 5-token prompt and 4 new tokens: the first comes from the prefill, then 3 decode steps attend over 6, 7 and
+    # 8 keys; the median step reads every weight once and 7 tokens' K/V
+    tok_s, read_s = numerics.decode_speed(tiny_model, tok, [[1, 5, 9, 2, 7]], 4)
+    kv = kv_bytes_per_token(tiny_model.cfg, 4)
+    assert tok_s > 0 and math.isclose(read_s / tok_s, tiny_model.weight_bytes() + 7 * kv, rel_tol=1e-9)
