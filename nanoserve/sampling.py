@@ -239,12 +239,13 @@ INVALID = -1
 
 def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[int]] | None = None,
            compiled: bool | None = None, generated: Sequence[Sequence[int]] | None = None,
-           masks: dict[int, Tensor] | None = None) -> list[int]:
+           masks: dict[int, Tensor] | None = None, argmax: Tensor | None = None) -> list[int]:
     """Choose the next token of every row of `logits` (R, V) in one call: plain greedy rows by argmax
     together, the others (a grammar's mask, penalties, temperature, top-k/p, min-p) as one (r, V) batch,
     each sampled row drawn from its own generator by the inverse of its distribution's CDF.
     `seen[i]`: row i's tokens so far (the repetition penalty reads them), `generated[i]` its output alone
-    (presence and frequency), `masks[i]`: row i's allowed tokens as a bitmask (`structured`). A row that
+    (presence and frequency), `masks[i]`: row i's allowed tokens as a bitmask (`structured`), `argmax`: each
+    row's argmax where the step found it already (the compiled step's, `argmax_rows`'s answer). A row that
     cannot be sampled (NaN logits, nothing allowed) gets `INVALID`, alone: the others go on."""
     R = logits.shape[0]
     if len(rows) != R:
@@ -253,10 +254,10 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
     free = lambda i: rows[i].params.plain_greedy and i not in masks  # noqa: E731
     plain = [i for i in range(R) if free(i)]
     if len(plain) == R:
-        return argmax_rows(logits, compiled).tolist()
+        return (argmax_rows(logits, compiled) if argmax is None else argmax).tolist()
     out = [INVALID] * R
     if plain:
-        for i, t in zip(plain, argmax_rows(logits[plain], compiled).tolist()):
+        for i, t in zip(plain, (argmax_rows(logits[plain], compiled) if argmax is None else argmax[plain]).tolist()):
             out[i] = t
     rest = [i for i in range(R) if not free(i)]
     x = logits.float() if len(rest) == R else logits[rest].float()  # (r, V); masks and penalties write in a copy

@@ -264,9 +264,10 @@ class LLMEngine:
                     generated.append(seq.output_token_ids)
                     owners.append(seq)
             at += c.num_sampled
-        chosen_rows = logits[rows] if rows != list(range(len(logits))) else logits
+        every = rows == list(range(len(logits)))
+        chosen_rows, best = (logits, self.runner.last_argmax) if every else (logits[rows], None)
         picks = sample(chosen_rows, samplers, seen, self.runner.kernels, generated,
-                       {i: m for i, m in masks.items() if m is not None})
+                       {i: m for i, m in masks.items() if m is not None}, best)
         for i, m in masks.items():
             if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
                 picks[i] = INVALID

@@ -52,6 +52,7 @@ class ModelRunner:
         use_step = compiled_step is not False and self.attention == "compiled"
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
+        self.last_argmax: Tensor | None = None  # the last step's argmax of each row it returned, where it has one
 
     @property
     def block_size(self) -> int:
@@ -62,8 +63,10 @@ class ModelRunner:
                 num_logits: Sequence[int] | None = None) -> Tensor:
         """Copy the blocks `copies` asks for (copy-on-write), then run one step. Logits (R, V) at each request's
         last new token, requests in order; with `num_logits`, logits at the last num_logits[r] tokens of
-        request r (0: none), stacked in order (sum, V)."""
+        request r (0: none), stacked in order (sum, V). `last_argmax` then holds each of those rows' argmax where
+        the step found it beside them (the compiled step), else None."""
         t0 = time.perf_counter()
+        self.last_argmax = None
         self.storage.copy_blocks(copies)
         n = sum(len(c.token_ids) for c in chunks)
         pad_one = self.batch_invariant and not self.one_row_same_bits
@@ -71,7 +74,8 @@ class ModelRunner:
         rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
         if self.block_step is not None and applies(md, self.storage.k.dtype == torch.bfloat16):
-            return self.block_step(ids, md, self.storage, rows)
+            logits, self.last_argmax = self.block_step(ids, md, self.storage, rows)
+            return logits
         backend = PagedAttention(self.storage, md, self.attention)
         h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.kernels)[0]  # (N, C)
         h = h[rows]  # (R, C)

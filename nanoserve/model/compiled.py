@@ -87,9 +87,11 @@ class BlockStep:
         return cls(model, compiled)
 
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,
-                 split_keys: int | None = None) -> Tensor:
+                 split_keys: int | None = None) -> tuple[Tensor, Tensor]:
         """Logits (R, V) at `rows` of the step (default each request's last token), as the Python forward gives
-        them; the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are computed.
+        them, and each row's argmax (R,) as `argmax_rows` gives it (found by the step's threads while they hold
+        the logits); the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are
+        computed.
         No inference_mode wrapper: the compiled call records no autograd anyway, and the wrapper's cost would
         show in a decode step."""
         n = md.num_tokens
@@ -100,8 +102,8 @@ class BlockStep:
             ids, positions = ids[:n], md.positions[:n]
         else:
             positions = md.positions
-        logits = self.compiled.step(
+        logits, best = self.compiled.step(
             ids, positions, cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
             md.seq_lens, md.block_tables, md.last_rows[:1] if empty else rows, self.model.cfg.head_dim ** -0.5,
             kernels.SPLIT_KEYS if split_keys is None else split_keys)
-        return logits[:0] if empty else logits
+        return (logits[:0], best[:0]) if empty else (logits, best)

@@ -10,6 +10,7 @@ import torch
 
 import nanoserve
 from nanoserve.attention import Chunk, prepare
+from nanoserve.config import ModelConfig
 from nanoserve.engine import LLMEngine
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.kernels import int8
@@ -66,7 +67,10 @@ def run_both(manager, fast, slow, prompts, steps, seed=0):
             chunks.append(Chunk(new, start, t.blocks))
         _, md = prepare(chunks, manager.block_size)
         assert applies(md)  # every request has keys before its new tokens: the compiled step runs
-        out.append((fast.execute(chunks), slow.execute(chunks)))
+        logits = fast.execute(chunks)
+        # beside the logits, each row's argmax as torch gives it (the first largest), found by the step's threads
+        assert torch.equal(fast.last_argmax, logits.argmax(-1)) and slow.last_argmax is None
+        out.append((logits, slow.execute(chunks)))
     return out
 
 
@@ -197,12 +201,13 @@ def test_a_team_step_has_the_bits_of_one_thread(tiny_blocks, split_keys, team):
             for t, ids in zip(tables, new):
                 manager.append_slots(t, ids)
             ids, md = prepare([Chunk(x, s, t.blocks) for x, s, t in zip(new, starts, tables)], manager.block_size)
-            out[n_threads] = (fast.block_step(ids, md, fast.storage, split_keys=split_keys), fast.storage.k.clone())
+            out[n_threads] = (*fast.block_step(ids, md, fast.storage, split_keys=split_keys), fast.storage.k.clone())
         finally:
             torch.set_num_threads(threads)
-    (logits, k), (one, k_one) = out[size], out[1]
+    (logits, best, k), (one, best_one, k_one) = out[size], out[1]
     assert logits.shape == (3, tiny_blocks.cfg.vocab_size)
     assert torch.equal(logits, one) and torch.equal(k, k_one)
+    assert torch.equal(best, logits.argmax(-1)) and torch.equal(best_one, best)
 
 
 def test_a_bad_block_in_a_team_step_is_refused_and_the_next_step_runs(tiny_cfg, compiled):
@@ -216,7 +221,7 @@ def test_a_bad_block_in_a_team_step_is_refused_and_the_next_step_runs(tiny_cfg, 
     bad[0, 1] = 99
     with pytest.raises(RuntimeError, match="request 0: block 99 is not in the pool of 64"):
         fast.block_step(ids, type(md)(**{**md.__dict__, "block_tables": bad}), fast.storage)
-    assert fast.block_step(ids, md, fast.storage).shape == (1, tiny_cfg.vocab_size)
+    assert fast.block_step(ids, md, fast.storage)[0].shape == (1, tiny_cfg.vocab_size)
 
 
 def test_a_pool_of_another_dtype_than_the_models_cache_is_refused_by_name(tiny_cfg, compiled):
@@ -243,3 +248,27 @@ def test_the_real_model_on_blocks_steps_compiled_with_the_same_logits(model_dir,
         start = t.num_tokens
         manager.append_slots(t, new)
         assert torch.equal(fast.execute([Chunk(new, start, t.blocks)]), slow.execute([Chunk(new, start, t.blocks)]))
+
+
+@pytest.mark.parametrize("road", ["int8", "fp32 tiles"])
+def test_the_steps_argmax_takes_the_first_of_tied_logits_across_the_teams_shares(tiny_cfg, compiled, road):
+    """The step's threads each find the largest logit in their share of the vocabulary; joined, the first one
+    wins a tie, as torch.argmax's does. A head of zeros but for two equal rows far apart (in different threads'
+    shares where the team has two or more) ties either those two rows or every zero: the first of them wins."""
+    model = Llama.random(ModelConfig.tiny(vocab_size=4096, tie_word_embeddings=False), seed=11)
+    with torch.no_grad():
+        model.lm_head.zero_()
+        model.lm_head[100] = model.lm_head[3000] = torch.randn(tiny_cfg.hidden_size, generator=torch.Generator()
+                                                               .manual_seed(0))
+    if road == "int8":
+        model = to_blocks(model, activations="int8")
+    elif not model.pack_weights() or tiled(model.layers[0].wqkv) is None:
+        pytest.skip("no fp32 tiles on this CPU")
+    manager, fast, _ = runners(model, 16, 4)
+    t = manager.new_table()
+    for ids in ([5, 6, 7], [8]) + tuple([i] for i in range(9, 17)):  # a prompt, then decode steps
+        start = t.num_tokens
+        manager.append_slots(t, ids)
+        logits = fast.execute([Chunk(ids, start, t.blocks)])
+        first = 100 if logits[0, 100] > 0 else 0
+        assert logits[0, 3000] == logits[0, 100] and int(fast.last_argmax[0]) == first == int(logits.argmax(-1)[0])

@@ -568,10 +568,55 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+// The first largest of x[begin, end) (end > begin), a NaN counting as largest: torch.argmax's answer on that
+// range. Comparisons only, one pass: WIDE running maxima, each with the first index it was seen at (a larger
+// value replaces it, an equal one does not), then the lanes compared; a range holding a NaN is searched for its
+// first NaN instead.
+RangeMax argmax_range(const float* x, int64_t begin, int64_t end) {
+  float m = x[begin];
+  int64_t best = begin, i = begin;
+  bool nan = false;
+  if (end - begin >= WIDE) {
+    wvec acc = *reinterpret_cast<const wvec*>(x + begin);
+    wivec at, seen = acc != acc;
+    for (int j = 0; j < WIDE; ++j) at[j] = j;
+    wivec now = at;
+    for (i = begin + WIDE; i + WIDE <= end; i += WIDE) {
+      const wvec y = *reinterpret_cast<const wvec*>(x + i);
+      now += WIDE;
+      const wivec larger = y > acc;
+      acc = larger ? y : acc;
+      at = larger ? now : at;
+      seen |= y != y;
+    }
+    m = acc[0];
+    best = begin + at[0];
+    for (int j = 1; j < WIDE; ++j) {
+      nan = nan || seen[j];
+      if (acc[j] > m || (acc[j] == m && begin + at[j] < best)) m = acc[j], best = begin + at[j];
+    }
+    nan = nan || seen[0];
+  }
+  for (; i < end; ++i) {
+    nan = nan || x[i] != x[i];
+    if (x[i] > m) m = x[i], best = i;
+  }
+  if (nan) {  // the first NaN
+    best = begin;
+    while (x[best] == x[best]) ++best;
+  }
+  return {m, best, nan};
+}
+
+int64_t first_largest(const RangeMax* parts, int64_t n) {
+  RangeMax got = parts[0];
+  for (int64_t p = 1; p < n && !got.nan; ++p)
+    if (parts[p].nan || parts[p].value > got.value) got = parts[p];
+  return got.at;
+}
+
 // Each row's argmax: logits (B, V) -> (B,) int64, the first index of the row's largest value, a NaN counting
-// as largest, as torch.argmax answers. Comparisons only, one pass: WIDE running maxima, each with the first
-// index it was seen at (a larger value replaces it, an equal one does not), then the lanes compared; a row
-// holding a NaN is searched for its first NaN instead.
+// as largest, as torch.argmax answers.
 torch::Tensor argmax_rows(torch::Tensor logits) {
   check_f32(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: expected (rows, vocab) with vocab > 0");
@@ -581,42 +626,7 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   const float* lp = logits.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, B, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = lp + r * V;
-      float m = x[0];
-      int64_t best = 0, i = 0;
-      bool nan = false;
-      if (V >= WIDE) {
-        wvec acc = *reinterpret_cast<const wvec*>(x);
-        wivec at, seen = acc != acc;
-        for (int j = 0; j < WIDE; ++j) at[j] = j;
-        wivec now = at;
-        for (i = WIDE; i + WIDE <= V; i += WIDE) {
-          const wvec y = *reinterpret_cast<const wvec*>(x + i);
-          now += WIDE;
-          const wivec larger = y > acc;
-          acc = larger ? y : acc;
-          at = larger ? now : at;
-          seen |= y != y;
-        }
-        m = acc[0];
-        best = at[0];
-        for (int j = 1; j < WIDE; ++j) {
-          nan = nan || seen[j];
-          if (acc[j] > m || (acc[j] == m && at[j] < best)) m = acc[j], best = at[j];
-        }
-        nan = nan || seen[0];
-      }
-      for (; i < V; ++i) {
-        nan = nan || x[i] != x[i];
-        if (x[i] > m) m = x[i], best = i;
-      }
-      if (nan) {  // the first NaN
-        best = 0;
-        while (x[best] == x[best]) ++best;
-      }
-      op[r] = best;
-    }
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_range(lp + r * V, 0, V).at;
   });
   return out;
 }

@@ -43,6 +43,15 @@ void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool
                           int64_t split_keys, float* out, Team* team = nullptr);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
 torch::Tensor argmax_rows(torch::Tensor logits);
+// The first largest value of a range and where it is (`nan`: the range holds a NaN, `at` the first one).
+struct RangeMax {
+  float value;
+  int64_t at;
+  bool nan;
+};
+RangeMax argmax_range(const float* x, int64_t begin, int64_t end);
+// torch.argmax's answer over consecutive ranges from their RangeMax in order: the first NaN, else the first largest.
+int64_t first_largest(const RangeMax* parts, int64_t n);
 // The block product on int8 activations (int8.cpp).
 torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int8(torch::Tensor x, std::string road);
@@ -100,10 +109,11 @@ class BlockModel {
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
              std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
              std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps, bool kv_bf16);
-  torch::Tensor step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
-                     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping,
-                     torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                     torch::Tensor last_rows, double scale, int64_t split_keys);
+  std::tuple<torch::Tensor, torch::Tensor> step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
+                                                torch::Tensor sin_table, torch::Tensor k_cache, torch::Tensor v_cache,
+                                                torch::Tensor slot_mapping, torch::Tensor query_start_loc,
+                                                torch::Tensor seq_lens, torch::Tensor block_tables,
+                                                torch::Tensor last_rows, double scale, int64_t split_keys);
 
  private:
   struct Matrix {

@@ -6,8 +6,10 @@
 #include "nanoserve.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <exception>
+#include <tuple>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -131,8 +133,9 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
 
 // One step: ids/positions (n,) the step's real tokens; cos/sin tables (P, D) covering their positions; the K/V
 // pool (L, blocks, block_size, K, D) and the step's metadata (attention/metadata.py). Returns the logits (R, V)
-// at rows last_rows (R,).
-torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
+// at rows last_rows (R,), and each one's argmax (R,) as argmax_rows gives it: the sampler's greedy rows then need
+// no pass of their own over the logits, which the step's threads have just written and still hold.
+std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
                                torch::Tensor sin_table, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor slot_mapping, torch::Tensor query_start_loc, torch::Tensor seq_lens,
                                torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys) {
@@ -226,8 +229,15 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   } else {
     dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs0);
   }
-  torch::Tensor logits = torch::empty({R, mats_[4 * L_].rows}, f32);
-  torch::Tensor head = bf16_ ? torch::empty({R * mats_[4 * L_].rows}, f32.dtype(torch::kBFloat16)) : logits;
+  const int64_t V = mats_[4 * L_].rows;
+  torch::Tensor logits = torch::empty({R, V}, f32);
+  torch::Tensor head = bf16_ ? torch::empty({R * V}, f32.dtype(torch::kBFloat16)) : logits;
+  std::vector<RangeMax> parts(T * R);  // each thread's share of each row's vocabulary: its largest
+  const auto largest = [&](int64_t r, int64_t v0, int64_t v1, RangeMax& part) {  // of row r's logits [v0, v1)
+    float* row = logits.data_ptr<float>() + r * V;
+    if (bf16_) widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()) + r * V + v0, v1 - v0, row + v0);
+    part = v0 < v1 ? argmax_range(row, v0, v1) : RangeMax{-INFINITY, -1, false};
+  };
   auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out, Team* team) {
     bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out, team);
   };
@@ -325,14 +335,28 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
     } else {
       product(mats_[4 * L_], rowsp, R, logits.data_ptr<float>(), team);
     }
+    if (!team) return;
+    // once every share of the logits is written: this thread's share of each row (a bf16 model's widened), and
+    // the largest in it
+    team->sync();
+    const auto [v0, v1] = team->share(V, 1024);
+    for (int64_t r = 0; r < R; ++r) largest(r, v0, v1, parts[t * R + r]);
   };
-  const auto widen_head = [&] {  // a bf16 model's logits, widened
-    if (bf16_) widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()), head.numel(), logits.data_ptr<float>());
+  const auto argmax = [&] {
+    torch::Tensor best = torch::empty({R}, f32.dtype(torch::kInt64));
+    std::vector<RangeMax> row(T);
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t t = 0; t < T; ++t) row[t] = parts[t * R + r];
+      best.data_ptr<int64_t>()[r] = first_largest(row.data(), T);
+    }
+    return std::make_tuple(logits, best);
   };
-  if (T == 1) {
+  if (T == 1) {  // (a step of many rows) the rows' largest on torch's threads
     run(nullptr);
-    widen_head();
-    return logits;
+    at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) largest(r, 0, V, parts[r]);
+    });
+    return argmax();
   }
 #ifdef _OPENMP
   Team::Shared shared;
@@ -352,6 +376,5 @@ torch::Tensor BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch
   }
   if (error) std::rethrow_exception(error);
 #endif
-  widen_head();
-  return logits;
+  return argmax();
 }
