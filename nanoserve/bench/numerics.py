@@ -7,9 +7,9 @@ Against fp32, on text that ships with Python itself (`pydoc_data`, no download):
 perplexity, and greedy agreement over many prompts (where the first divergence falls, and fp32's lead there). Then
 speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, the bytes batch 1's
 step reads (every weight once, and the request's K/V over its context, as `step_roofline` counts them) as a
-fraction of the read bandwidth (measured just before each batch-1 decode; the median of each decode's fraction),
-and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value, vs_fp32) and
-one row per greedy prompt (`-greedy.csv`).
+fraction of the read bandwidth (measured just before and just after each batch-1 decode; the median of each
+decode's fraction), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value,
+vs_fp32) and one row per greedy prompt (`-greedy.csv`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -108,6 +108,14 @@ def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], ste
     return len(prompts) / step_s, read / step_s
 
 
+def around(decode: Callable[[], tuple[float, float]], measure: bool) -> tuple[float, float, float]:
+    """(read bandwidth, *decode()): the bandwidth the mean of one measured just before the decode and one just
+    after (0.0 unless `measure`), so that a change of the machine's pace while it runs is seen from both sides."""
+    before = measure_bandwidth(2**28, 3)[0] if measure else 0.0
+    got = decode()
+    return ((before + measure_bandwidth(2**28, 3)[0]) / 2 if measure else 0.0, *got)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
@@ -145,11 +153,10 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                      for f, t in zip(formats, times)]
     bandwidths: list[float] = []
     for b in args.batch_sizes:
-        # per round, per format: (at batch 1 the read bandwidth measured just before it, tok/s, bytes/s read): a
-        # shared machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
-        per_round = [[(measure_bandwidth(2**28, 3)[0] if b == 1 else 0.0,
-                       *decode_speed(m, tok, prompts[:b], args.steps)) for m in models.values()]
-                     for _ in range(args.repeats)]
+        # per round, per format: (at batch 1 the read bandwidth around it, tok/s, bytes/s read): a shared
+        # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
+        per_round = [[around(lambda m=m, b=b: decode_speed(m, tok, prompts[:b], args.steps), b == 1)
+                      for m in models.values()] for _ in range(args.repeats)]
         for i, f in enumerate(formats):
             tok_s = statistics.median(r[i][1] for r in per_round)
             rows.append(dict(format=f, measure="decode_tok_s", size=b, value=tok_s))

@@ -50,3 +50,11 @@ def test_decode_speed_counts_every_weight_and_the_context_kv_a_step_reads(tiny_m
     tok_s, read_s = numerics.decode_speed(tiny_model, tok, [[1, 5, 9, 2, 7]], 4)
     kv = kv_bytes_per_token(tiny_model.cfg, 4)
     assert tok_s > 0 and math.isclose(read_s / tok_s, tiny_model.weight_bytes() + 7 * kv, rel_tol=1e-9)
+
+
+def test_a_decodes_bandwidth_is_the_mean_of_one_measured_before_and_one_after(monkeypatch):
+    readings, order = iter([40e9, 80e9]), []
+    monkeypatch.setattr(numerics, "measure_bandwidth", lambda *a: (order.append("bw") or next(readings), 0.0))
+    decode = lambda: order.append("decode") or (500.0, 4e10)  # noqa: E731
+    assert numerics.around(decode, True) == (60e9, 500.0, 4e10) and order == ["bw", "decode", "bw"]
+    assert numerics.around(decode, False) == (0.0, 500.0, 4e10)  # batch sizes above 1: no bandwidth asked
