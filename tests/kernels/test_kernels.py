@@ -398,7 +398,7 @@ def test_cpp_source_returns_one_whole_function_with_its_comment():
     with pytest.raises(KeyError, match="no function 'nope'"):
         kernels.cpp_source("nope")
     step = kernels.cpp_source("BlockModel::step", "step.cpp")
-    assert step.startswith("// One step:") and "torch::Tensor BlockModel::step(" in step and step.endswith("\n}")
+    assert step.startswith("// One step:") and "torch::Tensor> BlockModel::step(\n" in step and step.endswith("\n}")
     tile = kernels.cpp_source("pair_micro", "matmul_bf16.cpp")  # a template: its template line, then its comment
     assert tile.startswith("// Rows x[0..R)")
     assert "\ntemplate <int R, int T>\nNANOSERVE_TILES_BF16 void pair_micro(" in tile

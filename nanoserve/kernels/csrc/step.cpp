@@ -135,10 +135,10 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
 // pool (L, blocks, block_size, K, D) and the step's metadata (attention/metadata.py). Returns the logits (R, V)
 // at rows last_rows (R,), and each one's argmax (R,) as argmax_rows gives it: the sampler's greedy rows then need
 // no pass of their own over the logits, which the step's threads have just written and still hold.
-std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
-                               torch::Tensor sin_table, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor slot_mapping, torch::Tensor query_start_loc, torch::Tensor seq_lens,
-                               torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys) {
+std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
+    torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor query_start_loc,
+    torch::Tensor seq_lens, torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys) {
   const int64_t n = ids.numel(), H = H_, K = K_, C = C_, I = I_, HT = H + 2 * K, D = mats_[0].rows / HT;
   check_i64(ids, -1, "ids");
   check_i64(positions, n, "positions");
@@ -232,11 +232,12 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(torch::Tensor ids, tor
   const int64_t V = mats_[4 * L_].rows;
   torch::Tensor logits = torch::empty({R, V}, f32);
   torch::Tensor head = bf16_ ? torch::empty({R * V}, f32.dtype(torch::kBFloat16)) : logits;
-  std::vector<RangeMax> parts(T * R);  // each thread's share of each row's vocabulary: its largest
+  // each thread's share of each row's vocabulary: its largest (a share no thread had, or an empty one, never wins)
+  std::vector<RangeMax> parts(T * R, RangeMax{-INFINITY, -1, false});
   const auto largest = [&](int64_t r, int64_t v0, int64_t v1, RangeMax& part) {  // of row r's logits [v0, v1)
     float* row = logits.data_ptr<float>() + r * V;
     if (bf16_) widen_bf16_row(static_cast<const uint16_t*>(head.data_ptr()) + r * V + v0, v1 - v0, row + v0);
-    part = v0 < v1 ? argmax_range(row, v0, v1) : RangeMax{-INFINITY, -1, false};
+    if (v0 < v1) part = argmax_range(row, v0, v1);
   };
   auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out, Team* team) {
     bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out, team);
