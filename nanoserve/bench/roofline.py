@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig, kv_bytes_per_token
+from ..kernels import huge_pages
 from ..model import Llama
 from ..model.matmul import ONEDNN, onednn_linear, pack
 from .timing import time_callable
@@ -120,9 +121,10 @@ def measure_onednn_gemm_flops(n: int = 2048, repeats: int = 7) -> float | None:
 
 
 def measure_bandwidth(nbytes: int = 2**30, repeats: int = 7) -> tuple[float, float]:
-    """(read, copy) bytes/s on a buffer far larger than the caches: a sum, and a copy counting read + write."""
-    src = torch.ones(nbytes // 4)
-    dst, half = torch.empty(src.numel() // 2), src[: src.numel() // 2]
+    """(read, copy) bytes/s on a buffer far larger than the caches: a sum, and a copy counting read + write. The
+    buffers lie on 2 MB pages where the OS gives them, as the packed weights a decode step streams do."""
+    src = huge_pages(nbytes // 4 * 4).view(torch.float32).fill_(1.0)
+    dst, half = huge_pages(src.numel() // 2 * 4).view(torch.float32), src[: src.numel() // 2]
     return (nbytes / _median_seconds(src.sum, repeats),
             2 * half.numel() * 4 / _median_seconds(lambda: dst.copy_(half), repeats))
 

@@ -30,6 +30,7 @@ or NANOSERVE_KERNELS=0) `load()` says why, once, and everything runs on torch's 
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -313,3 +314,34 @@ def describe() -> str:
         return f"torch ops ({unavailable_reason()})"
     name, flags = build_flags()
     return f"compiled kernels {name} ({' '.join(flags)})"
+
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def huge_pages(nbytes: int) -> Tensor:
+    """`nbytes` of uint8, starting on a 2 MB boundary, that Linux is asked to back with 2 MB pages (transparent
+    huge pages, `madvise`) before anything is written there; ordinary 4 KB pages where it cannot or will not. A
+    decode step streams every weight once: on 4 KB pages that is a page translation every 4 KB of it."""
+    buf = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    out = buf[-buf.data_ptr() % HUGE_PAGE:][:nbytes]  # a view: it keeps the whole buffer alive
+    if nbytes >= HUGE_PAGE and sys.platform == "linux":
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(out.data_ptr()), ctypes.c_size_t(nbytes), MADV_HUGEPAGE)
+        except (OSError, AttributeError):  # no libc to ask: ordinary pages, the same bytes
+            pass
+    return out
+
+
+def side_by_side(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """Copies of `tensors` laid one after another (each on a 64-byte boundary) in one `huge_pages` buffer: small
+    matrices share the 2 MB pages that a buffer of their own could not fill."""
+    at, offsets = 0, []
+    for t in tensors:
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // 64) * 64
+    buf = huge_pages(at)
+    return [buf[o:o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            for o, t in zip(offsets, tensors)]

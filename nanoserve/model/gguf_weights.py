@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..config import CheckpointError, ModelConfig
+from ..kernels import side_by_side
 from ..kernels.quant import dequantize
 from .fetch import gguf_config, unpermute_rope_rows
 from .gguf_file import GGUFFile
@@ -74,6 +75,16 @@ def set_activations(model: Llama, activations: str) -> Llama:
         raise ValueError(f"activations={activations!r} needs a model on GGUF blocks (weights='gguf')")
     for w in blocks:
         w.activations = activations
+    return pack_int8(model)
+
+
+def pack_int8(model: Llama) -> Llama:
+    """Make every int8 block matrix's packed copy now (`BlockWeight.int8_packed`), all of them side by side in one
+    buffer on 2 MB pages (`kernels.side_by_side`): a decode step streams them all, and on 4 KB pages it would
+    cross a page translation every 4 KB. Matrices off int8 activations, or without packed copies here, are left."""
+    mats = [w for w in model.block_weights() if w.int8_packed() is not None]
+    for w, packed in zip(mats, side_by_side([w.int8_packed() for w in mats]) if mats else []):
+        w.keep_int8_packed(packed)
     return model
 
 

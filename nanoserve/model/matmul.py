@@ -258,6 +258,10 @@ class BlockWeight(nn.Module):
         self._int8_packed = (self.blocks.data_ptr(), int8.pack(self.blocks, self.fmt))
         return self._int8_packed[1]
 
+    def keep_int8_packed(self, packed: Tensor) -> None:
+        """Keep `packed` as the packed copy (the same bytes `int8_packed` makes, held elsewhere: `pack_int8`)."""
+        self._int8_packed = (self.blocks.data_ptr(), packed)
+
     @classmethod
     def quantize(cls, w: Tensor, fmt: str) -> BlockWeight:
         """Blocks made from an fp32 weight (out, in) by llama.cpp's reference rounding."""

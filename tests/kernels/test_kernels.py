@@ -3,7 +3,9 @@ without them (no compiler, NANOSERVE_KERNELS=0). Their attention is compared wit
 implementations in tests/attention/."""
 
 import shutil
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -586,3 +588,34 @@ def test_split_k_steps_agree_with_torch_ops_steps_and_keep_rows_invariant(compil
     # batches of two or more rows: a batch of one runs the weight products' one-row kernel (model.matmul)
     assert torch.equal(step_logits(model, [short, long_a], 4, True)[1], fast[0])
     assert torch.equal(step_logits(model, [long_b, short], 4, True)[0], fast[2])
+
+
+def test_huge_pages_start_on_a_2mb_boundary_and_ask_linux_for_its_2mb_pages():
+    buf = kernels.huge_pages(5 * kernels.HUGE_PAGE + 100)
+    assert buf.dtype == torch.uint8 and buf.numel() == 5 * kernels.HUGE_PAGE + 100
+    assert buf.data_ptr() % kernels.HUGE_PAGE == 0
+    buf.fill_(7)
+    assert int(buf[-1]) == 7
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if sys.platform == "linux" and thp.exists() and "[never]" not in thp.read_text():
+        # the madvise is recorded on the mapping holding the buffer ("hg" among its VmFlags)
+        at = buf.data_ptr()
+        mapping = None
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                mapping = lo <= at < hi
+            elif line.startswith("VmFlags") and mapping:
+                assert " hg" in line
+                break
+        else:
+            pytest.fail("no mapping holds the buffer")
+
+
+def test_side_by_side_copies_into_one_buffer_each_on_a_64_byte_boundary():
+    parts = [torch.arange(10, dtype=torch.uint8), torch.randn(3, 5), torch.arange(7, dtype=torch.int64)]
+    out = kernels.side_by_side(parts)
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+    for a, b in zip(parts, out):
+        assert b.dtype == a.dtype and b.shape == a.shape and torch.equal(a, b) and b.data_ptr() % 64 == 0

@@ -12,7 +12,7 @@ from nanoserve.config import CheckpointError
 from nanoserve.engine import LLMEngine
 from nanoserve.kernels import int8, quant
 from nanoserve.model import Llama
-from nanoserve.model.gguf_weights import load_gguf, to_blocks
+from nanoserve.model.gguf_weights import load_gguf, set_activations, to_blocks
 from nanoserve.model.matmul import BlockWeight
 
 # ---- a tiny model on blocks ------------------------------------------------------------------------------
@@ -138,3 +138,19 @@ def test_pack_false_keeps_no_packed_copy_and_the_same_logits(model_dir):
     ids = torch.tensor([[1, 504, 3458, 314, 4455, 282]])
     with torch.inference_mode():
         assert torch.equal(packed(ids), bare(ids))
+
+
+@pytest.mark.skipif(not int8.packed_here(), reason="packed copies are the x86 roads'")
+def test_int8_packed_copies_lie_side_by_side_in_one_buffer_with_the_packs_bytes(tiny_cfg):
+    """Every int8 matrix's packed copy is made when the activations are set, all in one buffer (on 2 MB pages where
+    the OS gives them), each the bytes `int8.pack` makes of its blocks; switching away and back packs them again."""
+    model = to_blocks(Llama.random(tiny_cfg, seed=3), activations="int8")
+    mats = model.block_weights()
+    packed = [w.int8_packed() for w in mats]
+    assert len({p.untyped_storage().data_ptr() for p in packed}) == 1
+    assert all(p.data_ptr() % 64 == 0 and torch.equal(p, int8.pack(w.blocks, w.fmt)) for w, p in zip(mats, packed))
+    set_activations(model, "fp32")
+    assert all(w.int8_packed() is None for w in mats)
+    set_activations(model, "int8")
+    again = [w.int8_packed() for w in mats]
+    assert all(torch.equal(a, p) for a, p in zip(again, packed))
