@@ -12,7 +12,6 @@ from pathlib import Path
 
 from .. import kernels
 from ..model import Llama
-from ..model.fetch import ensure_model
 from ..tokenizer import Tokenizer
 from . import csvio, harness
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, read_csv, write_csv
@@ -124,7 +123,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     prompt = sweep_prompt(tok, args.prompt_tokens)
     peaks: list[tuple[float, float | None]] = []  # (torch.matmul, oneDNN) FLOP/s before each round, and at the end
     measure_peaks = lambda _round: peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
-    hf_model = None if args.no_hf else harness.load_hf_model(ensure_model())
+    hf_model = None if args.no_hf else harness.load_hf_model()
     torch_ops = kernels.use_kernels(model.dtype) and not args.no_torch_ops
     runs = sweep_beside(model, hf_model, prompt, args.sizes, args.steps, args.rounds,
                         None if args.no_roofline else measure_peaks, torch_ops)

@@ -45,7 +45,7 @@ _started: dict[str, str] = {}  # the machine line as `start` saw it, before the 
 
 def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
     """Set torch's threads if asked, note the machine and its load before the run, warn when other work shares
-    the machine, and with `model` load the model."""
+    the machine, and with `model` load the model (`--model`, `--weights` where the command has them)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     _started["machine"] = machine_line()
@@ -54,7 +54,7 @@ def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenize
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
               "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
     if model:
-        return load(getattr(args, "model", None))
+        return load(getattr(args, "model", None), weights=getattr(args, "weights", "fp32"))
     return None
 
 

@@ -24,7 +24,7 @@ from ..config import nanoserve_home
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
-from ..model.fetch import default_model_dir, download_gguf
+from ..model.fetch import download_gguf
 from ..stages import CachedSession, NoCacheSession
 from . import csvio
 from .command import common_arguments, csv_header, report, start
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             jobs[("nanoserve-nocache", "fp32", 1, ctx)] = lambda p=p: time_road(fp32, p, args.nocache_tokens,
                                                                                 "nanoserve-nocache")
     if not args.no_transformers:
-        hf = load_hf_model(default_model_dir())
+        hf = load_hf_model()
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
         for ctx in args.contexts:
             jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_transformers(hf, p, n)

@@ -14,7 +14,6 @@ from pathlib import Path
 from ..config import EngineConfig, SchedulerConfig
 from ..engine import LLMEngine
 from ..model import Llama
-from ..model.fetch import ensure_model
 from ..stages import greedy_generate_batch
 from . import csvio
 from .arrivals import replay_hf_continuous, start_hf_manager
@@ -136,8 +135,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if args.uniform:
         workloads["uniform"] = uniform_workload(tok, args.requests, seed=args.seed)
     if any(s.startswith("transformers") for s in args.systems):
-        hf_model = load_hf_model(ensure_model())
-        hf_model.set_attn_implementation("sdpa")
+        hf_model = load_hf_model(attn="sdpa")
     greedy_generate_batch(model, workloads["ragged"].prompts[:2], 2)  # warm: kernels built, weights touched
     systems: dict[str, Callable[[Workload], SystemRun]] = {
         "nanoserve-static-32": lambda w: run_static(model, w, 32),

@@ -17,7 +17,6 @@ import argparse
 import math
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -29,8 +28,8 @@ from ..model.matmul import bf16_road
 from ..tokenizer import Tokenizer
 from .arrivals import replay_engine
 from .command import common_arguments, csv_header, report, start
-from .csvio import write_csv
-from .harness import decode_records, greedy, ragged_workload, run_requests
+from .csvio import beside, write_csv
+from .harness import greedy, median_decode_step, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import interleaved
@@ -98,8 +97,8 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
 
 def decode_tok_s(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> float:
     """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step)."""
-    recs = decode_records(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
-    return len(prompts) / statistics.median(r.total_s for r in recs)
+    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
+    return len(prompts) / median_decode_step(engine, prompts, [greedy(steps)] * len(prompts))[0]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -168,11 +167,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                       prompts=args.prompts, new_tokens=args.new_tokens, slo=dict(ttft_s=SLO().ttft_s,
                                                                                 tpot_s=SLO().tpot_s))
     write_csv(args.out, rows, meta)
-    write_csv(greedy_path(args.out), greedy_rows, meta)
+    write_csv(beside(args.out, "greedy"), greedy_rows, meta)
     return report(args.out, meta, rows)
-
-
-def greedy_path(out: str | Path) -> Path:
-    """Where the per-prompt greedy rows go, beside the main CSV."""
-    out = Path(out)
-    return out.with_name(out.stem + "-greedy.csv")

@@ -38,6 +38,3 @@ def test_divergences_name_the_first_differing_step_and_fp32s_lead_there(tiny_mod
         logits = tiny_model(torch.tensor([[4, 5, 6]]), last_only=True)[0]
     assert rows[1]["fp32_lead"] == float(logits[6] - logits[2])
 
-
-def test_greedy_rows_go_beside_the_main_csv():
-    assert str(numerics.greedy_path("data/bench-numerics.csv")) == "data/bench-numerics-greedy.csv"
