@@ -8,12 +8,11 @@ import argparse
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import kernels
 from ..model import Llama
 from ..tokenizer import Tokenizer
-from . import csvio, harness
+from . import harness
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, read_csv, write_csv
 from .command import common_arguments, csv_header, report, start
 from .harness import PASSAGE as PASSAGE  # notebooks read the passage here
@@ -21,18 +20,13 @@ from .harness import PROMPTS
 from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline, step_roofline
 
 CSV_PATH = "data/day-29-batchbench.csv"
+read_run = read_csv  # a batch CSV's header (values JSON-decoded) and labelled runs
 TORCH_OPS_LABEL = "nanoserve-torch-ops"  # the CSV's label for our step on torch's ops instead of the kernels
 
 
 def sweep_prompt(tok: Tokenizer, n_tokens: int = 0) -> list[int]:
     """The first of PROMPTS (n_tokens 0), or n_tokens of prose."""
     return harness.prose(tok, n_tokens) if n_tokens > 0 else tok.encode(PROMPTS[0])
-
-
-def read_run(path: str | Path) -> tuple[dict, list[tuple[str, BatchTiming]]]:
-    """A batch CSV's header (values JSON-decoded) and labelled runs."""
-    meta, runs = read_csv(path)
-    return csvio.decoded(meta), runs
 
 
 def pooled_median(timings: Sequence[BatchTiming]) -> float:

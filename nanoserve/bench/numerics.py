@@ -32,7 +32,7 @@ from .csvio import beside, write_csv
 from .harness import greedy, median_decode_step, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
-from .timing import interleaved
+from .timing import interleaved, rounds
 
 FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "blocks": {"weights": "gguf"},
            "blocks-int8": {"weights": "gguf", "activations": "int8"},
@@ -138,18 +138,16 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                      for f, t in zip(formats, times)]
     bandwidths: list[float] = []
     for b in args.batch_sizes:
-        # per round, per format: (tok/s, at batch 1 the read bandwidth measured just before it): a shared
+        # per format, per round: (at batch 1 the read bandwidth measured just before it, tok/s): a shared
         # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
-        per_round = [[(measure_bandwidth(2**28, 3)[0] if b == 1 else 0.0,
-                       decode_tok_s(m, tok, prompts[:b], args.steps)) for m in models.values()]
-                     for _ in range(args.repeats)]
-        for i, f in enumerate(formats):
-            tok_s = statistics.median(r[i][1] for r in per_round)
-            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=tok_s))
+        jobs = {f: lambda m=m, b=b: (measure_bandwidth(2**28, 3)[0] if b == 1 else 0.0,
+                                     decode_tok_s(m, tok, prompts[:b], args.steps)) for f, m in models.items()}
+        for f, timed in rounds(jobs, args.repeats).items():
+            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=statistics.median(t for _, t in timed)))
             if b == 1:
-                bandwidths += [r[i][0] for r in per_round]
+                bandwidths += [bw for bw, _ in timed]
                 rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1, value=statistics.median(
-                    models[f].weight_bytes() * t / bw for bw, t in (r[i] for r in per_round))))
+                    models[f].weight_bytes() * t / bw for bw, t in timed)))
     read_bw = statistics.median(bandwidths) if bandwidths else measure_bandwidth()[0]
     w = ragged_workload(tok, args.requests, seed=args.seed)
     for rate in args.rates:
