@@ -202,15 +202,12 @@ def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
-                    help="requests/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
-                    help="what nanoserve's systems load: the folder's fp32, or the GGUF's blocks llama-server runs")
-    common_arguments(ap, CSV_PATH, engine=True, requests=40, seed=0)
+    common_arguments(ap, CSV_PATH, engine=True, rates=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], requests=40, seed=0,
+                     weights="fp32")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

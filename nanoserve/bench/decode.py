@@ -185,7 +185,6 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[DecodeRow]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched rows at the first context")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     ap.add_argument("--no-stages", action="store_true", help="skip the course's no-cache and contiguous loops")
@@ -194,7 +193,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
     ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "bfloat16"], default=["auto"],
                     help="the blocks' K/V cache: auto (fp32), bfloat16 (half its bytes); several for rows of each")
-    common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
+    common_arguments(ap, CSV_PATH, contexts=[128, 1024], batch_sizes=[8, 32], steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

@@ -103,13 +103,11 @@ def decode_tok_s(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], ste
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompts", type=int, default=24, help="greedy prompts compared with fp32")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--windows", type=int, default=4, help="windows of held-out text for error and perplexity")
-    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0], help="arrival rates for goodput (req/s)")
-    common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], steps=24, repeats=3, requests=40,
-                     seed=0)
+    common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], batch_sizes=[1, 8, 32], steps=24,
+                     repeats=3, requests=40, rates=[4.0, 8.0], seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

@@ -44,9 +44,7 @@ def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mod
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    common_arguments(ap, "data/bench-outputs.csv", steps=24, rounds=3)
+    common_arguments(ap, "data/bench-outputs.csv", batch_sizes=[1, 32], prompt_tokens=64, steps=24, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:

@@ -29,9 +29,7 @@ def decode_step_s(model: Llama, prompt: list[int], threads: int | str, steps: in
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--prompt-tokens", type=int, default=300)
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="gguf")
-    common_arguments(ap, "data/bench-shared.csv", steps=48, rounds=3)
+    common_arguments(ap, "data/bench-shared.csv", prompt_tokens=300, weights="gguf", steps=48, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
