@@ -231,6 +231,6 @@ def read_csv(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, BatchTim
     """The header (values JSON-decoded) and the labelled runs."""
     meta, rows = csvio.read_csv(path)
     return csvio.decoded(meta), [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
-                                             step_s=[float(x) for x in row["step_s"].split()],
-                                             row_steps=[int(x) for x in row["row_steps"].split()]))
-                  for row in rows]
+                                                            step_s=[float(x) for x in row["step_s"].split()],
+                                                            row_steps=[int(x) for x in row["row_steps"].split()]))
+                                 for row in rows]
