@@ -48,10 +48,12 @@ def replay_engine(engine: LLMEngine, w: Workload, arrivals: Sequence[float], rat
     return Replay("nanoserve-engine", rate, timings, [r.output_token_ids for r in reqs])
 
 
-def start_hf_manager(hf_model, w: Workload):
-    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed). Its
-    cache holds every request of w at once, so it never waits for room; left to size itself on a CPU, it takes most
-    of the machine's RAM whatever other processes hold, and the kernel can kill one of them."""
+@contextmanager
+def start_hf_manager(hf_model, w: Workload) -> Iterator:
+    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed), and
+    stopped when the `with` ends. Its cache holds every request of w at once, so it never waits for room; left to
+    size itself on a CPU, it takes most of the machine's RAM whatever other processes hold, and the kernel can kill
+    one of them."""
     from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -67,10 +69,9 @@ def start_hf_manager(hf_model, w: Workload):
     manager.start()
     try:
         replay_hf_continuous(manager, Workload("warm", [w.prompts[0][:8]], [2]), [0.0])
-    except BaseException:
+        yield manager
+    finally:
         manager.stop(block=True)
-        raise
-    return manager
 
 
 def replay_hf_continuous(manager, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
@@ -147,11 +148,8 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         replay_engine(engine, warm, [0.0, 0.0])
         yield lambda w, arrivals, rate: replay_engine(engine, w, arrivals, rate)
     elif system == "transformers-cb":
-        manager = start_hf_manager(load_hf_model(attn="sdpa"), w)
-        try:
+        with start_hf_manager(load_hf_model(attn="sdpa"), w) as manager:
             yield lambda w, arrivals, rate: replay_hf_continuous(manager, w, arrivals, rate)
-        finally:
-            manager.stop(block=True)
     else:
         port, command = free_port(), None
         if system == "llama-server":  # a slot per sequence the engine runs at once, each fitting the longest request

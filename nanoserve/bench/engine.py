@@ -65,11 +65,8 @@ def run_hf_static(hf_model, w: Workload, batch_size: int = 8) -> SystemRun:
 
 def run_hf_continuous(hf_model, w: Workload) -> SystemRun:
     """transformers' continuous batching manager, every request at once."""
-    manager = start_hf_manager(hf_model, w)
-    try:
+    with start_hf_manager(hf_model, w) as manager:
         r = replay_hf_continuous(manager, w, [0.0] * len(w.prompts))
-    finally:
-        manager.stop(block=True)
     t0 = min(t.start for t in r.timings)
     latency = [t.end - t0 for t in r.timings]
     return SystemRun("transformers-cb", w.name, latency, r.tokens, max(latency))
