@@ -20,7 +20,6 @@ from pathlib import Path
 
 from ..config import EngineConfig, nanoserve_home
 from ..engine import LLMEngine
-from ..loader import load
 from ..model import Llama
 from ..model.fetch import download_gguf, ensure_model
 from . import csvio
@@ -49,10 +48,12 @@ def replay_engine(engine: LLMEngine, w: Workload, arrivals: Sequence[float], rat
     return Replay("nanoserve-engine", rate, timings, [r.output_token_ids for r in reqs])
 
 
-def start_hf_manager(hf_model, w: Workload):
-    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed). Its
-    cache holds every request of w at once, so it never waits for room; left to size itself on a CPU, it takes most
-    of the machine's RAM whatever other processes hold, and the kernel can kill one of them."""
+@contextmanager
+def start_hf_manager(hf_model, w: Workload) -> Iterator:
+    """transformers' continuous batching manager sized for w, greedy, EOS off, started and warmed (not timed), and
+    stopped when the `with` ends. Its cache holds every request of w at once, so it never waits for room; left to
+    size itself on a CPU, it takes most of the machine's RAM whatever other processes hold, and the kernel can kill
+    one of them."""
     from transformers import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -68,10 +69,9 @@ def start_hf_manager(hf_model, w: Workload):
     manager.start()
     try:
         replay_hf_continuous(manager, Workload("warm", [w.prompts[0][:8]], [2]), [0.0])
-    except BaseException:
+        yield manager
+    finally:
         manager.stop(block=True)
-        raise
-    return manager
 
 
 def replay_hf_continuous(manager, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
@@ -148,13 +148,8 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         replay_engine(engine, warm, [0.0, 0.0])
         yield lambda w, arrivals, rate: replay_engine(engine, w, arrivals, rate)
     elif system == "transformers-cb":
-        hf_model = load_hf_model(ensure_model())
-        hf_model.set_attn_implementation("sdpa")
-        manager = start_hf_manager(hf_model, w)
-        try:
+        with start_hf_manager(load_hf_model(attn="sdpa"), w) as manager:
             yield lambda w, arrivals, rate: replay_hf_continuous(manager, w, arrivals, rate)
-        finally:
-            manager.stop(block=True)
     else:
         port, command = free_port(), None
         if system == "llama-server":  # a slot per sequence the engine runs at once, each fitting the longest request
@@ -173,11 +168,6 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             proc.wait(timeout=30)
 
 
-def requests_path(out: str | Path) -> Path:
-    out = Path(out)
-    return out.with_name(out.stem + "-requests" + out.suffix)
-
-
 def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO, meta: dict) -> None:
     rows = [dict(system=r.system, rate=r.rate, **{k: round(v, 5) for k, v in serving_metrics(r.timings, slo).row()
                                                   .items()}) for r in replays]
@@ -186,7 +176,7 @@ def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO
                      prompt_tokens=len(w.prompts[i]), output_tokens=t.output_len, ttft_s=round(t.ttft, 4),
                      tpot_s="" if t.tpot is None else round(t.tpot, 5), e2e_s=round(t.latency, 4),
                      met_slo=int(slo.met(t))) for r in replays for i, t in enumerate(r.timings)]
-    csvio.write_csv(requests_path(out), requests, meta)
+    csvio.write_csv(csvio.beside(out, "requests"), requests, meta)
 
 
 def read_summary(path: str | Path) -> tuple[dict[str, str], list[dict]]:
@@ -196,7 +186,7 @@ def read_summary(path: str | Path) -> tuple[dict[str, str], list[dict]]:
 
 
 def read_requests(path: str | Path) -> list[dict]:
-    return read_summary(requests_path(path))[1]
+    return read_summary(csvio.beside(path, "requests"))[1]
 
 
 def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -> dict[tuple[str, float], float]:
@@ -210,15 +200,12 @@ def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0],
-                    help="requests/s (inf: all at once)")
     ap.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
-                    help="what nanoserve's systems load: the folder's fp32, or the GGUF's blocks llama-server runs")
-    common_arguments(ap, CSV_PATH, engine=True, requests=40, seed=0)
+    common_arguments(ap, CSV_PATH, engine=True, rates=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], requests=40, seed=0,
+                     weights="fp32")
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -229,8 +216,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         systems.remove("llama-server")
     if not systems:
         return 0
-    start(args, model=False)
-    model, tok = load(weights=args.weights)
+    model, tok = start(args)
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
     w = ragged_workload(tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
@@ -257,5 +243,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                 print(f"  rate {rate:g}: {m.request_throughput:.2f} req/s, goodput {m.goodput:.2f}, TTFT p50 "
                       f"{m.ttft['p50']:.2f} s, TPOT p50 {m.tpot['p50'] * 1e3:.0f} ms", flush=True)
     write_csvs(args.out, replays, w, slo, meta)
-    return report(f"{args.out}, {requests_path(args.out)}", meta, read_summary(args.out)[1], [
+    return report(f"{args.out}, {csvio.beside(args.out, 'requests')}", meta, read_summary(args.out)[1], [
         "system", "rate", "request_throughput", "goodput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50"])

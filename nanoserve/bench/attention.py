@@ -163,7 +163,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     common_arguments(ap, CSV_PATH, contexts=[128, 512, 2048, 8192], repeats=30)
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if kernels.load() is None:
         print(f"nanoserve bench attention: error: the compiled kernels are unavailable: {kernels.unavailable_reason()}")
         return 1

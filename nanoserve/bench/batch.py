@@ -8,13 +8,11 @@ import argparse
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .. import kernels
 from ..model import Llama
-from ..model.fetch import ensure_model
 from ..tokenizer import Tokenizer
-from . import csvio, harness
+from . import harness
 from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, read_csv, write_csv
 from .command import common_arguments, csv_header, report, start
 from .harness import PASSAGE as PASSAGE  # notebooks read the passage here
@@ -22,18 +20,13 @@ from .harness import PROMPTS
 from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline, step_roofline
 
 CSV_PATH = "data/day-29-batchbench.csv"
+read_run = read_csv  # a batch CSV's header (values JSON-decoded) and labelled runs
 TORCH_OPS_LABEL = "nanoserve-torch-ops"  # the CSV's label for our step on torch's ops instead of the kernels
 
 
 def sweep_prompt(tok: Tokenizer, n_tokens: int = 0) -> list[int]:
     """The first of PROMPTS (n_tokens 0), or n_tokens of prose."""
     return harness.prose(tok, n_tokens) if n_tokens > 0 else tok.encode(PROMPTS[0])
-
-
-def read_run(path: str | Path) -> tuple[dict, list[tuple[str, BatchTiming]]]:
-    """A batch CSV's header (values JSON-decoded) and labelled runs."""
-    meta, runs = read_csv(path)
-    return csvio.decoded(meta), runs
 
 
 def pooled_median(timings: Sequence[BatchTiming]) -> float:
@@ -124,7 +117,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     prompt = sweep_prompt(tok, args.prompt_tokens)
     peaks: list[tuple[float, float | None]] = []  # (torch.matmul, oneDNN) FLOP/s before each round, and at the end
     measure_peaks = lambda _round: peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
-    hf_model = None if args.no_hf else harness.load_hf_model(ensure_model())
+    hf_model = None if args.no_hf else harness.load_hf_model()
     torch_ops = kernels.use_kernels(model.dtype) and not args.no_torch_ops
     runs = sweep_beside(model, hf_model, prompt, args.sizes, args.steps, args.rounds,
                         None if args.no_roofline else measure_peaks, torch_ops)

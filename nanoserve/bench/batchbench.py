@@ -14,6 +14,7 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import csvio
 from .timing import DEFAULT_CLOCK, Clock, time_callable
@@ -226,9 +227,10 @@ def write_csv(path: str | Path, runs: Iterable[tuple[str, BatchTiming]], meta: M
     return csvio.write_csv(path, rows, meta, CSV_FIELDS)
 
 
-def read_csv(path: str | Path) -> tuple[dict[str, str], list[tuple[str, BatchTiming]]]:
+def read_csv(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, BatchTiming]]]:
+    """The header (values JSON-decoded) and the labelled runs."""
     meta, rows = csvio.read_csv(path)
-    return meta, [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
-                                             step_s=[float(x) for x in row["step_s"].split()],
-                                             row_steps=[int(x) for x in row["row_steps"].split()]))
-                  for row in rows]
+    return csvio.decoded(meta), [(row["label"], BatchTiming(prefill_s=float(row["prefill_s"]),
+                                                            step_s=[float(x) for x in row["step_s"].split()],
+                                                            row_steps=[int(x) for x in row["row_steps"].split()]))
+                                 for row in rows]

@@ -22,6 +22,7 @@ from .timing import summarize
 
 CSV_PATH = "data/bench-chunked.csv"
 LONG = "long"  # the long request's id
+long_prompt = prose  # its prompt: n tokens of the passage
 FIELDS = ("round", "label", "budget", "chunked", "request", "token", "token_id", "step", "t_s")
 
 
@@ -61,10 +62,6 @@ class RunSummary:
 def label_of(config: EngineConfig | SchedulerConfig) -> str:
     s = engine_config(config).scheduler
     return str(s.max_num_batched_tokens) if s.chunked_prefill else "no-chunk"
-
-
-def long_prompt(tok: Tokenizer, n_tokens: int) -> list[int]:
-    return prose(tok, n_tokens)
 
 
 def short_prompts(tok: Tokenizer, n: int, n_tokens: int = 24) -> list[list[int]]:
@@ -131,10 +128,6 @@ def median_summaries(summaries: Sequence[RunSummary]) -> list[RunSummary]:
     return sorted(out, key=lambda s: (s.chunked, s.budget))
 
 
-def same_tokens(a: ScenarioRun, b: ScenarioRun) -> bool:
-    return a.tokens == b.tokens
-
-
 def write_csv(path: str | Path, runs: Sequence[ScenarioRun], meta: dict) -> Path:
     rows = [dict(zip(FIELDS, (run.round, run.label, run.budget, int(run.chunked), rid, i, tok, step, f"{t:.5f}")))
             for run in runs for rid in run.tokens
@@ -185,7 +178,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             print(f"round {r}: {label_of(config):>8} {time.perf_counter() - t0:5.1f} s", flush=True)
             if any(runs[-1].steps[s][-1] < runs[-1].steps[LONG][0] for s in runs[-1].short_ids):
                 print("  warning: a short request ended before the long prompt's first token; raise --short-tokens")
-    agree = {label_of(c): all(same_tokens(x, runs[0]) for x in runs if x.label == label_of(c)) for c in configs}
+    agree = {label_of(c): all(x.tokens == runs[0].tokens for x in runs if x.label == label_of(c)) for c in configs}
     meta = csv_header(argv, decoders=args.decoders, short_prompt_tokens=args.short_prompt_tokens,
                       short_tokens=args.short_tokens, long_tokens=len(long), long_max_tokens=args.long_max_tokens,
                       warm=args.warm, rounds=args.rounds, same_tokens_as_no_chunk=agree,

@@ -18,14 +18,18 @@ from ..model import Llama
 from ..tokenizer import Tokenizer
 from .machine import machine_line
 
-SHARED = {  # options more than one command takes: type, a list or one value, help
-    "contexts": (int, True, "prompt lengths (tokens)"),
-    "steps": (int, False, "decode steps per run"),
-    "repeats": (int, False, "timed calls per point"),
-    "rounds": (int, False, "rounds, every configuration once a round; medians are over rounds"),
-    "requests": (int, False, "requests in the workload"),
-    "seed": (int, False, "the workload's seed"),
-    "model": (str, False, "HF checkpoint folder (default: the fetched SmolLM2)"),
+SHARED: dict[str, dict[str, Any]] = {  # options more than one command takes, each command with its own default
+    "contexts": dict(type=int, nargs="+", help="prompt lengths (tokens)"),
+    "batch_sizes": dict(type=int, nargs="+", help="requests decoding together"),
+    "prompt_tokens": dict(type=int, help="the prompt's length (tokens of prose)"),
+    "steps": dict(type=int, help="decode steps per run"),
+    "repeats": dict(type=int, help="timed calls per point"),
+    "rounds": dict(type=int, help="rounds, every configuration once a round; medians are over rounds"),
+    "requests": dict(type=int, help="requests in the workload"),
+    "rates": dict(type=float, nargs="+", help="arrival rates (requests/s; inf: all at once)"),
+    "seed": dict(type=int, help="the workload's seed"),
+    "model": dict(help="HF checkpoint folder (default: the fetched SmolLM2)"),
+    "weights": dict(choices=["fp32", "gguf"], help="what nanoserve loads: the folder's fp32, or the GGUF's blocks"),
 }
 
 
@@ -34,8 +38,7 @@ def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = 
     ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     for name, default in shared.items():
-        kind, many, about = SHARED[name]
-        ap.add_argument(f"--{name}", type=kind, nargs="+" if many else None, default=default, help=about)
+        ap.add_argument(f"--{name.replace('_', '-')}", default=default, **SHARED[name])
     if engine:
         EngineConfig.add_cli_arguments(ap)
 
@@ -45,7 +48,7 @@ _started: dict[str, str] = {}  # the machine line as `start` saw it, before the 
 
 def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
     """Set torch's threads if asked, note the machine and its load before the run, warn when other work shares
-    the machine, and with `model` load the model."""
+    the machine, and with `model` load the model (`--model`, `--weights` where the command has them)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     _started["machine"] = machine_line()
@@ -54,7 +57,7 @@ def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenize
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
               "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
     if model:
-        return load(getattr(args, "model", None))
+        return load(getattr(args, "model", None), weights=getattr(args, "weights", "fp32"))
     return None
 
 

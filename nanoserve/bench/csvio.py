@@ -66,6 +66,12 @@ def decoded(meta: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def beside(path: str | Path, name: str) -> Path:
+    """A second table written beside a CSV: data/x.csv, "requests" -> data/x-requests.csv."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-{name}{path.suffix}")
+
+
 def records(cls: type, rows: Iterable[Mapping[str, str]]) -> list:
     """Text rows as dataclass `cls`, fields cast by annotation; a column an older CSV lacks takes the default."""
     casts = {"str": str, "int": int, "float": float, "bool": lambda v: v in ("1", "true", "True")}

@@ -24,7 +24,7 @@ from ..config import nanoserve_home
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
-from ..model.fetch import default_model_dir, download_gguf
+from ..model.fetch import download_gguf
 from ..stages import CachedSession, NoCacheSession
 from . import csvio
 from .command import common_arguments, csv_header, report, start
@@ -185,7 +185,6 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[DecodeRow]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="batched rows at the first context")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     ap.add_argument("--no-stages", action="store_true", help="skip the course's no-cache and contiguous loops")
@@ -194,7 +193,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
     ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "bfloat16"], default=["auto"],
                     help="the blocks' K/V cache: auto (fp32), bfloat16 (half its bytes); several for rows of each")
-    common_arguments(ap, CSV_PATH, contexts=[128, 1024], steps=32, rounds=3)
+    common_arguments(ap, CSV_PATH, contexts=[128, 1024], batch_sizes=[8, 32], steps=32, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -222,7 +221,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             jobs[("nanoserve-nocache", "fp32", 1, ctx)] = lambda p=p: time_road(fp32, p, args.nocache_tokens,
                                                                                 "nanoserve-nocache")
     if not args.no_transformers:
-        hf = load_hf_model(default_model_dir())
+        hf = load_hf_model()
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
         for ctx in args.contexts:
             jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_transformers(hf, p, n)

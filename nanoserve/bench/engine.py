@@ -14,7 +14,6 @@ from pathlib import Path
 from ..config import EngineConfig, SchedulerConfig
 from ..engine import LLMEngine
 from ..model import Llama
-from ..model.fetch import ensure_model
 from ..stages import greedy_generate_batch
 from . import csvio
 from .arrivals import replay_hf_continuous, start_hf_manager
@@ -66,11 +65,8 @@ def run_hf_static(hf_model, w: Workload, batch_size: int = 8) -> SystemRun:
 
 def run_hf_continuous(hf_model, w: Workload) -> SystemRun:
     """transformers' continuous batching manager, every request at once."""
-    manager = start_hf_manager(hf_model, w)
-    try:
+    with start_hf_manager(hf_model, w) as manager:
         r = replay_hf_continuous(manager, w, [0.0] * len(w.prompts))
-    finally:
-        manager.stop(block=True)
     t0 = min(t.start for t in r.timings)
     latency = [t.end - t0 for t in r.timings]
     return SystemRun("transformers-cb", w.name, latency, r.tokens, max(latency))
@@ -136,8 +132,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if args.uniform:
         workloads["uniform"] = uniform_workload(tok, args.requests, seed=args.seed)
     if any(s.startswith("transformers") for s in args.systems):
-        hf_model = load_hf_model(ensure_model())
-        hf_model.set_attn_implementation("sdpa")
+        hf_model = load_hf_model(attn="sdpa")
     greedy_generate_batch(model, workloads["ragged"].prompts[:2], 2)  # warm: kernels built, weights touched
     systems: dict[str, Callable[[Workload], SystemRun]] = {
         "nanoserve-static-32": lambda w: run_static(model, w, 32),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -17,6 +18,7 @@ from ..engine import LLMEngine
 from ..engine.request import Request
 from ..generate import stream_generate
 from ..model import Llama
+from ..model.fetch import ensure_model
 from ..sampling import SamplingParams
 from ..stages import Session, StaticBatch, stream_session
 from ..tokenizer import Tokenizer
@@ -118,10 +120,13 @@ def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Se
     return t0, [engine.requests.pop(i) for i in ids]
 
 
-def decode_records(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
-    """The requests run to the end, all at once; the StepRecords of the decode steps every one of them is in."""
+def median_decode_step(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
+                       ) -> tuple[float, float]:
+    """The requests run to the end, all at once; over the decode steps every one of them is in, the median step
+    and the median of its part after the forward (s)."""
     run_requests(engine, prompts, params)
-    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    steps = [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    return statistics.median(r.total_s for r in steps), statistics.median(r.sample_s for r in steps)
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
@@ -189,13 +194,16 @@ def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence
     return Sweep(timings, tokens)
 
 
-def load_hf_model(folder: str | Path):
-    """transformers' model on the same checkpoint folder."""
+def load_hf_model(folder: str | Path | None = None, attn: str | None = None):
+    """transformers' model on the same checkpoint folder (default: the fetched one), with `attn` its attention."""
     try:
         import transformers
     except ImportError as e:
         raise RuntimeError("the transformers baseline needs transformers: pip install 'nanoserve[test]'") from e
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder or ensure_model(), dtype=torch.float32).eval()
+    if attn is not None:
+        model.set_attn_implementation(attn)
+    return model
 
 
 def hf_generate(hf_model, prompts: Sequence[Sequence[int]], new_tokens: int, clock: Clock = DEFAULT_CLOCK,

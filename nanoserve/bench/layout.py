@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -101,7 +101,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="bfloat16: a bf16 model's roads (oneDNN, and the tiles on AVX512_BF16) instead of fp32's")
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     start(args, model=False)
     folder = Path(args.model) if args.model else ensure_model()
     cfg = ModelConfig.from_folder(folder)

@@ -18,7 +18,6 @@ import argparse
 import math
 import statistics
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
@@ -31,11 +30,11 @@ from ..model.matmul import bf16_road
 from ..tokenizer import Tokenizer
 from .arrivals import replay_engine
 from .command import common_arguments, csv_header, report, start
-from .csvio import write_csv
-from .harness import decode_records, greedy, ragged_workload, run_requests
+from .csvio import beside, write_csv
+from .harness import greedy, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
-from .timing import interleaved
+from .timing import interleaved, rounds
 
 FORMATS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "blocks": {"weights": "gguf"},
            "blocks-int8": {"weights": "gguf", "activations": "int8"},
@@ -101,7 +100,9 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
 def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> tuple[float, float]:
     """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step), and
     the bytes per second the step reads: every weight once, each request's K/V over its context (the median step's)."""
-    recs = decode_records(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
+    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
+    run_requests(engine, prompts, [greedy(steps)] * len(prompts))
+    recs = [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
     step_s = statistics.median(r.total_s for r in recs)
     kv = kv_bytes_per_token(model.cfg, model.kv_dtype.itemsize)
     read = statistics.median(model.weight_bytes() + kv * sum(s + n for _, s, n in r.scheduled) for r in recs)
@@ -118,13 +119,11 @@ def around(decode: Callable[[], tuple[float, float]], measure: bool) -> tuple[fl
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompts", type=int, default=24, help="greedy prompts compared with fp32")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--windows", type=int, default=4, help="windows of held-out text for error and perplexity")
-    ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0], help="arrival rates for goodput (req/s)")
-    common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], steps=24, repeats=3, requests=40,
-                     seed=0)
+    common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], batch_sizes=[1, 8, 32], steps=24,
+                     repeats=3, requests=40, rates=[4.0, 8.0], seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -153,17 +152,16 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                      for f, t in zip(formats, times)]
     bandwidths: list[float] = []
     for b in args.batch_sizes:
-        # per round, per format: (at batch 1 the read bandwidth around it, tok/s, bytes/s read): a shared
+        # per format, per round: (at batch 1 the read bandwidth around it, tok/s, bytes/s read): a shared
         # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
-        per_round = [[around(lambda m=m, b=b: decode_speed(m, tok, prompts[:b], args.steps), b == 1)
-                      for m in models.values()] for _ in range(args.repeats)]
-        for i, f in enumerate(formats):
-            tok_s = statistics.median(r[i][1] for r in per_round)
-            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=tok_s))
+        jobs = {f: lambda m=m, b=b: around(lambda: decode_speed(m, tok, prompts[:b], args.steps), b == 1)
+                for f, m in models.items()}
+        for f, timed in rounds(jobs, args.repeats).items():
+            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=statistics.median(t for _, t, _ in timed)))
             if b == 1:
-                bandwidths += [r[i][0] for r in per_round]
+                bandwidths += [bw for bw, _, _ in timed]
                 rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1, value=statistics.median(
-                    read / bw for bw, _, read in (r[i] for r in per_round))))
+                    read / bw for bw, _, read in timed)))
     read_bw = statistics.median(bandwidths) if bandwidths else measure_bandwidth()[0]
     w = ragged_workload(tok, args.requests, seed=args.seed)
     for rate in args.rates:
@@ -181,11 +179,5 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                       prompts=args.prompts, new_tokens=args.new_tokens, slo=dict(ttft_s=SLO().ttft_s,
                                                                                 tpot_s=SLO().tpot_s))
     write_csv(args.out, rows, meta)
-    write_csv(greedy_path(args.out), greedy_rows, meta)
+    write_csv(beside(args.out, "greedy"), greedy_rows, meta)
     return report(args.out, meta, rows)
-
-
-def greedy_path(out: str | Path) -> Path:
-    """Where the per-prompt greedy rows go, beside the main CSV."""
-    out = Path(out)
-    return out.with_name(out.stem + "-greedy.csv")

@@ -15,7 +15,8 @@ from ..structured import StructuredOutputsParams
 from ..tokenizer import Tokenizer
 from .command import common_arguments, csv_header, report, start
 from .csvio import write_csv
-from .harness import decode_records, prose
+from .harness import median_decode_step, prose
+from .timing import rounds
 
 # output mostly free text inside a string: a long run of ordinary steps under a mask
 SCHEMA = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40},
@@ -35,16 +36,15 @@ def params_for(mode: str, i: int, steps: int) -> SamplingParams:
     return SamplingParams(**base)
 
 
-def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int) -> list:
-    """One engine, every prompt at once; the StepRecords of its decode steps."""
+def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int,
+                 ) -> tuple[float, float]:
+    """One engine, every prompt at once; its median decode step and that step's part after the forward (s)."""
     engine = LLMEngine(model, tok, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)) + 64)
-    return decode_records(engine, prompts, [params_for(mode, i, steps) for i in range(len(prompts))])
+    return median_decode_step(engine, prompts, [params_for(mode, i, steps) for i in range(len(prompts))])
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    common_arguments(ap, "data/bench-outputs.csv", steps=24, rounds=3)
+    common_arguments(ap, "data/bench-outputs.csv", batch_sizes=[1, 32], prompt_tokens=64, steps=24, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -53,13 +53,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     chat = [tok.encode_chat([{"role": "user", "content": f"Give this a title and retell it, as JSON: {t}"}])
             for t in text]
     decode_steps(model, tok, chat[:2], "json", 2)  # warm up: the grammar library, the kernels
-    times: dict[tuple[int, str], list[tuple[float, float]]] = {}  # (batch, mode) -> per round (step, after forward)
-    for _ in range(args.rounds):
-        for b in args.batch_sizes:
-            for mode in MODES:
-                recs = decode_steps(model, tok, chat[:b], mode, args.steps)
-                times.setdefault((b, mode), []).append((statistics.median(r.total_s for r in recs),
-                                                        statistics.median(r.sample_s for r in recs)))
+    times = rounds({(b, mode): lambda b=b, mode=mode: decode_steps(model, tok, chat[:b], mode, args.steps)
+                    for b in args.batch_sizes for mode in MODES}, args.rounds)  # per round (step, after forward)
     rows = []
     for (b, mode), per_round in times.items():
         plain = times[(b, "plain")]

@@ -171,7 +171,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     common_arguments(ap, CSV_PATH, contexts=[128, 256, 512, 1024, 2048, 4096])
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> int:
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if args.clock == "cpu" and (args.threads or torch.get_num_threads()) != 1:
         print("nanoserve bench paged: error: --clock cpu counts one thread's CPU time, so it needs --threads 1",
               file=sys.stderr)

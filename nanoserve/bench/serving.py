@@ -8,7 +8,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .timing import RequestTiming
+from .timing import RequestTiming, percentile
 
 PERCENTILES = (50, 90, 99)
 
@@ -39,16 +39,6 @@ class SLO:
     def met(self, t: RequestTiming) -> bool:
         """TTFT within bound, and TPOT within bound where there is one (a one-token answer has none)."""
         return t.ttft <= self.ttft_s and (t.tpot is None or t.tpot <= self.tpot_s)
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0-100), linear between order statistics (numpy's default, as vLLM reports)."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    x = p / 100 * (len(s) - 1)
-    lo = int(x)
-    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:  # the mean and PERCENTILES

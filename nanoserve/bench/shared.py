@@ -13,11 +13,10 @@ from collections.abc import Sequence
 import torch
 
 from ..engine import LLMEngine
-from ..loader import load
 from ..model import Llama
 from .command import common_arguments, csv_header, report, start
 from .csvio import write_csv
-from .harness import decode_records, greedy, prose
+from .harness import greedy, median_decode_step, prose
 
 SETTINGS = {"2 threads": 2, "1 thread": 1, "auto": "auto"}
 
@@ -26,18 +25,15 @@ def decode_step_s(model: Llama, prompt: list[int], threads: int | str, steps: in
     """The median decode step (s) of one greedy request alone in an engine on `threads`."""
     engine = LLMEngine(model, threads=threads)
     time.sleep(0.6)  # auto's policy looks every 0.5 s: its first look sees the machine as a long-lived server would
-    return statistics.median(r.total_s for r in decode_records(engine, [prompt], [greedy(steps + 1)]))
+    return median_decode_step(engine, [prompt], [greedy(steps + 1)])[0]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--prompt-tokens", type=int, default=300)
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="gguf")
-    common_arguments(ap, "data/bench-shared.csv", steps=48, rounds=3)
+    common_arguments(ap, "data/bench-shared.csv", prompt_tokens=300, weights="gguf", steps=48, rounds=3)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
-    start(args, model=False)
-    model, tok = load(weights=args.weights)
+    model, tok = start(args)
     prompt = prose(tok, args.prompt_tokens)
     default_threads = torch.get_num_threads()
     decode_step_s(model, prompt[:32], default_threads, 4)  # warm up: kernels, first allocations

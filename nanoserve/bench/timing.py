@@ -121,9 +121,19 @@ def rounds(jobs: Mapping[K, Callable[[], T]], n: int, clock: Clock = DEFAULT_CLO
     return out
 
 
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100), linear between order statistics (numpy's default, as vLLM reports)."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    x = p / 100 * (len(s) - 1)
+    lo = int(x)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (x - lo)
+
+
 @dataclass(frozen=True)
 class Summary:
-    """Repeated measurements: the median to report, p10..p90 (numpy's default interpolation) for the spread."""
+    """Repeated measurements: the median to report, p10..p90 (`percentile`) for the spread."""
 
     n: int
     median: float
@@ -143,7 +153,5 @@ def summarize(values: Sequence[float]) -> Summary:
     values = [float(v) for v in values]
     if not values:
         raise ValueError("cannot summarize zero measurements")
-    p10, p90 = (statistics.quantiles(values, n=10, method="inclusive")[::8] if len(values) > 1
-                else (values[0], values[0]))
     return Summary(n=len(values), median=statistics.median(values), mean=statistics.fmean(values),
-                   p10=p10, p90=p90, min=min(values), max=max(values))
+                   p10=percentile(values, 10), p90=percentile(values, 90), min=min(values), max=max(values))

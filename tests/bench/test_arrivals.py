@@ -3,13 +3,13 @@ asserted)."""
 
 import pytest
 
+from nanoserve.bench import csvio
 from nanoserve.bench.arrivals import (
     Replay,
     goodput_under,
     read_requests,
     read_summary,
     replay_engine,
-    requests_path,
     write_csvs,
 )
 from nanoserve.bench.harness import Workload, greedy, run_requests
@@ -43,7 +43,7 @@ def test_csvs_round_trip_and_goodput_can_be_recomputed_under_another_slo(tmp_pat
     write_csvs(out, runs, w, slo, {"command": "test"})
     meta, summary = read_summary(out)
     assert meta == {"command": "test"} and [r["system"] for r in summary] == ["a", "b"]
-    assert requests_path(out).name == "arr-requests.csv" and summary[0]["completed"] == 2.0
+    assert csvio.beside(out, "requests").name == "arr-requests.csv" and summary[0]["completed"] == 2.0
     assert summary[0]["good"] == 1 and summary[1]["good"] == 2
     requests = read_requests(out)
     assert len(requests) == 4 and requests[1]["ttft_s"] == 3.5 and requests[1]["met_slo"] == 0

@@ -40,10 +40,6 @@ def test_divergences_name_the_first_differing_step_and_fp32s_lead_there(tiny_mod
     assert rows[1]["fp32_lead"] == float(logits[6] - logits[2])
 
 
-def test_greedy_rows_go_beside_the_main_csv():
-    assert str(numerics.greedy_path("data/bench-numerics.csv")) == "data/bench-numerics-greedy.csv"
-
-
 def test_decode_speed_counts_every_weight_and_the_context_kv_a_step_reads(tiny_model, tok):
     # a 5-token prompt and 4 new tokens: the first comes from the prefill, then 3 decode steps attend over 6, 7 and
     # 8 keys; the median step reads every weight once and 7 tokens' K/V

@@ -10,7 +10,6 @@ from nanoserve.bench.chunked import (
     median_summaries,
     read_csv,
     run_scenario,
-    same_tokens,
     short_prompts,
     stall_gaps,
     summarize_run,
@@ -70,7 +69,7 @@ def test_csv_round_trip(tmp_path):
     assert meta == {"command": "python -m nanoserve bench chunked", "rounds": "1"}
     assert [(r.label, r.budget, r.chunked) for r in back] == [("128", 128, True), ("no-chunk", 2048, False)]
     assert back[0].tokens == runs[0].tokens and back[0].steps == runs[0].steps
-    assert back[0].times[LONG] == runs[0].times[LONG] and same_tokens(back[0], back[1])
+    assert back[0].times[LONG] == runs[0].times[LONG] and back[0].tokens == back[1].tokens
 
 
 def test_scenario_on_the_tiny_model_counts_chunks_and_keeps_tokens(tiny_model):
@@ -84,7 +83,7 @@ def test_scenario_on_the_tiny_model_counts_chunks_and_keeps_tokens(tiny_model):
     assert summarize_run(whole).prefill_steps == 1
     assert summarize_run(chunked).prefill_steps == 5  # 3 decode tokens + 20 of the prompt a step
     assert all(s[0] < 0 for s in (whole.steps[r] for r in whole.short_ids))  # decoding before it arrived
-    assert same_tokens(whole, chunked) and [len(t) for t in whole.tokens.values()] == [30, 30, 30, 3]
+    assert whole.tokens == chunked.tokens and [len(t) for t in whole.tokens.values()] == [30, 30, 30, 3]
     assert whole.long_cached_tokens == chunked.long_cached_tokens == 0
 
 

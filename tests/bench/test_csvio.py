@@ -50,6 +50,11 @@ def test_records_cast_by_annotation_and_default_missing_columns(tmp_path):
     assert csvio.records(Rec, old) == [Rec("b", 2, 1.5, False, 7)]
 
 
+def test_a_second_table_goes_beside_the_csv():
+    assert str(csvio.beside("data/bench-numerics.csv", "greedy")) == "data/bench-numerics-greedy.csv"
+    assert csvio.beside(Path("out/arr.csv"), "requests") == Path("out/arr-requests.csv")
+
+
 def test_docstring_examples():
     assert doctest.testmod(csvio).failed == 0
 
