@@ -42,7 +42,10 @@ class Replay:
 
 
 def replay_engine(engine: LLMEngine, w: Workload, arrivals: Sequence[float], rate: float = math.nan) -> Replay:
-    """Each request added when its arrival time comes (`harness.run_requests`), its clock started then."""
+    """Each request added when its arrival time comes (`harness.run_requests`), its clock started then. The
+    engine's prefix cache is emptied first: prompts replayed at another rate are new to it, not hits."""
+    if not engine.reset_prefix_cache():
+        raise RuntimeError("replay_engine needs an idle engine: requests in it still hold blocks")
     t0, reqs = run_requests(engine, w.prompts, [greedy(n) for n in w.max_tokens], arrivals)
     timings = [RequestTiming(t0 + a, tuple(r.token_times), r.finish_time) for a, r in zip(arrivals, reqs)]
     return Replay("nanoserve-engine", rate, timings, [r.output_token_ids for r in reqs])
@@ -99,7 +102,8 @@ def replay_hf_continuous(manager, w: Workload, arrivals: Sequence[float], rate: 
 def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float = math.nan,
                   system: str = "nanoserve-server", tok=None) -> Replay:
     """Each request a streaming completion sent at its arrival, its tokens stamped as the client sees them; where
-    no ids come back (llama-server, transformers serve), a chunk with text is a token and usage counts the rest."""
+    no ids come back (llama-server, transformers serve), a chunk with text is a token and usage counts the rest.
+    nanoserve's server empties its prefix cache first (`POST /reset_prefix_cache`), as `replay_engine` does."""
     import httpx
 
     def body(i: int, model: str) -> dict:
@@ -131,6 +135,8 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
         limits = httpx.Limits(max_connections=len(arrivals) + 1, max_keepalive_connections=len(arrivals) + 1)
         async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
             model = (await client.get(f"http://127.0.0.1:{port}/v1/models")).json()["data"][0]["id"]
+            if system == "nanoserve-server":
+                (await client.post(f"http://127.0.0.1:{port}/reset_prefix_cache")).raise_for_status()
             t0, url = time.perf_counter(), f"http://127.0.0.1:{port}/v1/completions"
             return await asyncio.gather(*[one(client, url, body(i, model), t0 + a) for i, a in enumerate(arrivals)])
 

@@ -204,6 +204,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, as vLLM's `reset_prefix_cache` does: a benchmark that replays the same
+        prompts at another rate then measures them as new ones. Only when no request holds blocks (False, nothing
+        done, otherwise)."""
+        return self.manager.reset_prefix_cache()
+
     @property
     def num_unfinished_requests(self) -> int:
         """Sequences waiting or running (a request's waiting samples included)."""

@@ -112,6 +112,19 @@ class BlockPool:
             else:
                 self.free_list.append(block)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's `reset_prefix_cache`): the unreferenced cached blocks go back to the
+        free list and no block is found by its tokens any more. Only while no block is in use (a running
+        request's blocks keep their names): False, and nothing done, otherwise."""
+        if self.prefix is None:
+            return True
+        if any(self.refcount):
+            return False
+        parked = list(self.prefix.evictable)
+        self.prefix.clear()
+        self.free_list.extend(parked)
+        return True
+
     def _check_id(self, block: int) -> None:
         if not 0 <= block < self.num_blocks:
             raise ValueError(f"block id {block} outside the pool [0, {self.num_blocks})")
@@ -168,6 +181,10 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.block_size)
+
+    def reset_prefix_cache(self) -> bool:
+        """`BlockPool.reset_prefix_cache`: every cached prefix forgotten, unless a block is in use (then False)."""
+        return self.pool.reset_prefix_cache()
 
     def check_fits(self, num_tokens: int) -> None:
         """Refuse up front a sequence that could not fit even if it had the whole pool."""

@@ -98,6 +98,13 @@ class PrefixCache:
         self.evictions += 1
         return block
 
+    def clear(self) -> None:
+        """Forget every name and every parked block (the counters stay)."""
+        self.by_hash.clear()
+        self.hash_of.clear()
+        self.tokens_of.clear()
+        self.evictable.clear()
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0

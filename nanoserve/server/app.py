@@ -7,6 +7,7 @@
     GET  /v1/models             the one model served
     GET  /health                200 while the engine thread runs (503 while draining)
     GET  /metrics               Prometheus text (see `metrics`)
+    POST /reset_prefix_cache    forget every cached prefix (vLLM's endpoint): {"reset": false} while requests run
 
 Every prompt of an HTTP request becomes one engine request (its n samples computed from one prefill), and
 the engine's one thread batches them with everything else in flight. Every answer other than a 200 is in
@@ -177,6 +178,12 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
                                             "owned_by": "nanoserve", "max_model_len": max_context}]}
+
+    @app.post("/reset_prefix_cache", responses={503: ERRORS[503]})
+    async def reset_prefix_cache() -> Any:
+        if not async_engine.is_running:
+            return error(503, "the engine thread is not running", "service_unavailable")
+        return {"reset": await async_engine.reset_prefix_cache()}
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:

@@ -2,7 +2,7 @@
 
 The engine's step is blocking work (a forward of the whole batch), so it cannot run on the event loop
 that answers HTTP: one thread owns the engine and does nothing but step it. Handlers talk to that
-thread through a queue of commands (add, abort); each request's outputs come back through its own
+thread through a queue of commands (add, abort, reset); each request's outputs come back through its own
 asyncio.Queue, fed from the thread with `call_soon_threadsafe`. Only the engine thread touches the
 engine after startup, so the engine needs no locks.
 
@@ -147,6 +147,13 @@ class AsyncEngine:
             if not finished:  # the reader went away (client disconnect, cancelled task): free its blocks
                 self._send(("abort", rid))
 
+    async def reset_prefix_cache(self) -> bool:
+        """`LLMEngine.reset_prefix_cache` on the engine thread, between steps: False while requests hold blocks."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._send(("reset", lambda ok: loop.call_soon_threadsafe(done.set_result, ok)))
+        return await done
+
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
         self._wake.set()
@@ -200,7 +207,9 @@ class AsyncEngine:
                     self._emit(rid, e)
                     self._sinks.pop(rid, None)
                 continue
-            if command[0] == "fail":
+            if command[0] == "reset":
+                command[1](self.engine.reset_prefix_cache())
+            elif command[0] == "fail":
                 self._fail_all(EngineStopped(command[1]))
             else:
                 _, rid = command

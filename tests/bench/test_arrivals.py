@@ -30,6 +30,13 @@ def test_a_replayed_trace_gives_every_request_its_tokens_and_frees_the_pool(tiny
     assert r.tokens == [q.output_token_ids for q in reqs]
     assert not engine.requests  # the replay takes its requests out of the engine
     engine.check_idle()
+    # the same trace again, at another rate: its prompts are new to the engine, not prefix hits
+    again = replay_engine(engine, w, [0.0, 0.0, 0.0, 0.0], rate=float("inf"))
+    assert again.tokens == r.tokens and engine.scheduler.prefix_hit_tokens == 0
+    engine.add_request([5, 6, 7], greedy(2))
+    engine.step()
+    with pytest.raises(RuntimeError, match="needs an idle engine"):  # one request holds blocks
+        replay_engine(engine, w, [0.0] * 4)
 
 
 def test_csvs_round_trip_and_goodput_can_be_recomputed_under_another_slo(tmp_path):

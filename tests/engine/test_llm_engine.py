@@ -293,3 +293,23 @@ def test_history_and_finished_requests_are_bounded(tiny_model):
     assert len(engine.history) == 5 and engine.history[-1].step == engine.steps - 1
     assert sorted(engine.requests) == sorted(ids[-3:])
     engine.check_idle()
+
+
+def test_reset_prefix_cache_makes_a_seen_prompt_new_and_waits_for_running_requests(tiny_model):
+    engine = LLMEngine(tiny_model, num_blocks=32, block_size=4)
+    prompt, params = list(range(5, 18)), SamplingParams(max_tokens=3, **GREEDY)
+
+    def run() -> tuple[list[int], int]:
+        rid = engine.add_request(prompt, params)
+        return drain(engine)[rid], engine.requests[rid].num_cached_tokens
+
+    alone, cached = run()
+    assert cached == 0
+    again = engine.add_request(prompt, params)
+    engine.step()
+    assert not engine.reset_prefix_cache()  # a request holds blocks: nothing is forgotten
+    drain(engine)
+    assert engine.requests[again].num_cached_tokens == 12  # its three whole blocks found (the last token redone)
+    assert engine.reset_prefix_cache()
+    assert run() == (alone, 0)  # the same tokens, none of the prompt found
+    engine.check_idle()

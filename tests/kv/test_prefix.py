@@ -92,3 +92,21 @@ def test_hash_collision_is_caught_by_the_token_check(monkeypatch):
     b = m.new_table()
     assert m.match_prefix(b, [5, 6, 7]) == 0  # same name, other tokens: a miss, not a wrong hit
     assert m.pool.prefix.queries == 1 and m.pool.prefix.hits == 0
+
+
+def test_reset_prefix_cache_forgets_every_cached_block_only_while_none_is_in_use():
+    m = BlockManager(num_blocks=8, block_size=2)
+    a = m.new_table()
+    compute(m, a, [1, 2, 3, 4, 5])
+    assert not m.reset_prefix_cache()  # a's blocks are in use: nothing is done
+    assert m.match_prefix(m.new_table(), [1, 2, 3, 4, 5]) == 4
+    m = BlockManager(num_blocks=8, block_size=2)
+    a = m.new_table()
+    compute(m, a, [1, 2, 3, 4, 5])
+    m.free(a)
+    hits = m.pool.prefix.hits
+    assert m.reset_prefix_cache()
+    m.pool.check()
+    assert len(m.pool.free_list) == 8 and not m.pool.prefix.evictable and len(m.pool.prefix) == 0
+    assert m.match_prefix(m.new_table(), [1, 2, 3, 4, 5]) == 0 and m.pool.prefix.hits == hits
+    assert BlockManager(4, 2, prefix_caching=False).reset_prefix_cache()  # no cache: nothing to forget

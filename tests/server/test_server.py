@@ -378,6 +378,10 @@ def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(server, tok):
     chunks = list(server.client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
                                                    stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    wait_idle(server.engine)
+    assert server.http.post("/reset_prefix_cache").json() == {"reset": True}  # vLLM's endpoint: every prefix forgotten
+    after = server.client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0)
+    assert after.usage.prompt_tokens_details.cached_tokens == 0 and after.choices[0].text == first.choices[0].text
 
 
 # ---- bad input beside streams in flight ----------------------------------------------------------------
