@@ -120,12 +120,16 @@ def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Se
     return t0, [engine.requests.pop(i) for i in ids]
 
 
+def decode_steps(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
+    """The requests run to the end, all at once; the StepRecords of the decode steps every one of them is in."""
+    run_requests(engine, prompts, params)
+    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+
+
 def median_decode_step(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                        ) -> tuple[float, float]:
-    """The requests run to the end, all at once; over the decode steps every one of them is in, the median step
-    and the median of its part after the forward (s)."""
-    run_requests(engine, prompts, params)
-    steps = [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    """Over `decode_steps`, the median step and the median of its part after the forward (s)."""
+    steps = decode_steps(engine, prompts, params)
     return statistics.median(r.total_s for r in steps), statistics.median(r.sample_s for r in steps)
 
 

@@ -31,7 +31,7 @@ from ..tokenizer import Tokenizer
 from .arrivals import replay_engine
 from .command import common_arguments, csv_header, report, start
 from .csvio import beside, write_csv
-from .harness import greedy, ragged_workload, run_requests
+from .harness import decode_steps, greedy, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import interleaved, rounds
@@ -100,9 +100,7 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
 def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> tuple[float, float]:
     """Decode tok/s of len(prompts) requests stepping together in the engine (the median full decode step), and
     the bytes per second the step reads: every weight once, each request's K/V over its context (the median step's)."""
-    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
-    run_requests(engine, prompts, [greedy(steps)] * len(prompts))
-    recs = [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    recs = decode_steps(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
     step_s = statistics.median(r.total_s for r in recs)
     kv = kv_bytes_per_token(model.cfg, model.kv_dtype.itemsize)
     read = statistics.median(model.weight_bytes() + kv * sum(s + n for _, s, n in r.scheduled) for r in recs)
