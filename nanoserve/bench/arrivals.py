@@ -11,6 +11,7 @@ import importlib.metadata
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -165,13 +166,34 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         elif system == "transformers-serve":  # its continuous batching, the model preloaded
             command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
                        "--host", "127.0.0.1", "--port", str(port), str(ensure_model())]
-        proc = start_server(port, server_options if command is None else (), command=command)
-        try:
+        # warmed on prompts that share no prefix with the workload's (their ids reversed), so no cache is primed
+        warm = Workload("warm", [p[::-1] for p in warm.prompts], warm.max_tokens)
+
+        def up() -> subprocess.Popen:
+            proc = start_server(port, server_options if command is None else (), command=command)
             replay_server(port, warm, [0.0, 0.0], system=system, tok=tok)
-            yield lambda w, arrivals, rate: replay_server(port, w, arrivals, rate, system=system, tok=tok)
-        finally:
+            return proc
+
+        def down(proc: subprocess.Popen) -> None:
             proc.terminate()
             proc.wait(timeout=30)
+
+        proc, used = up(), False
+
+        def replay(w: Workload, arrivals: Sequence[float], rate: float) -> Replay:
+            # nanoserve's server empties its prefix cache over HTTP; a peer's prompt cache (llama-server keeps
+            # one per slot and one in RAM) goes with its process, so a peer is restarted before each later replay
+            nonlocal proc, used
+            if used and command is not None:
+                down(proc)
+                proc = up()
+            used = True
+            return replay_server(port, w, arrivals, rate, system=system, tok=tok)
+
+        try:
+            yield replay
+        finally:
+            down(proc)
 
 
 def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO, meta: dict) -> None:

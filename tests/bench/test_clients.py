@@ -30,6 +30,37 @@ def test_llama_server_gets_a_slot_per_sequence_and_the_context_they_need(tmp_pat
     assert flags["--port"] == "8123" and flags["-m"] == str(tmp_path / "m.gguf")
 
 
+@pytest.mark.parametrize("system, starts", [("nanoserve-server", 1), ("llama-server", 3)])
+def test_a_peer_server_is_fresh_for_each_replay_so_no_rate_hits_anothers_prompt_cache(system, starts, tmp_path,
+                                                                                      monkeypatch):
+    from nanoserve.bench.harness import Workload
+
+    started, sent = [], []
+
+    class Proc:
+        def terminate(self):
+            started[-1] = "stopped"
+
+        def wait(self, timeout):
+            pass
+
+    def fake_start(port, extra=(), command=None):
+        assert "running" not in started  # the last process is gone before the next starts
+        started.append("running")
+        return Proc()
+
+    monkeypatch.setattr(arrivals, "start_server", fake_start)
+    monkeypatch.setattr(arrivals, "replay_server", lambda port, w, a, rate=0.0, system="", tok=None: sent.append(w))
+    monkeypatch.setattr(arrivals, "llama_server_path", lambda: tmp_path / "llama-server")
+    monkeypatch.setattr(arrivals, "download_gguf", lambda folder: tmp_path / "m.gguf")
+    w = Workload("w", [[1, 2, 3, 4], [5, 6, 7]], [2, 2])
+    with arrivals.serving(system, None, None, arrivals.EngineConfig(), w) as replay:
+        for rate in (1.0, 2.0, 4.0):
+            replay(w, [0.0, 0.1], rate)
+    assert len(started) == starts and set(started) == {"stopped"}
+    assert [x.prompts for x in sent if x.name == "warm"] == [[[4, 3, 2, 1], [7, 6, 5]]] * starts  # no shared prefix
+
+
 def test_bench_arrivals_skips_llama_server_where_it_is_not_built(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
     assert llama_server_path() is None
