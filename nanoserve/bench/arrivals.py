@@ -203,7 +203,7 @@ def write_csvs(out: str | Path, replays: Sequence[Replay], w: Workload, slo: SLO
     requests = [dict(system=r.system, rate=r.rate, request=i, arrival_s=round(t.start - r.timings[0].start, 4),
                      prompt_tokens=len(w.prompts[i]), output_tokens=t.output_len, ttft_s=round(t.ttft, 4),
                      tpot_s="" if t.tpot is None else round(t.tpot, 5), e2e_s=round(t.latency, 4),
-                     met_slo=int(slo.met(t))) for r in replays for i, t in enumerate(r.timings)]
+                     met_slo=int(slo.met(t.ttft, t.tpot))) for r in replays for i, t in enumerate(r.timings)]
     csvio.write_csv(csvio.beside(out, "requests"), requests, meta)
 
 
@@ -222,8 +222,7 @@ def goodput_under(summary: Sequence[dict], requests: Sequence[dict], slo: SLO) -
     duration = {(r["system"], r["rate"]): r["duration_s"] for r in summary}
     good = dict.fromkeys(duration, 0)
     for r in requests:
-        met = r["ttft_s"] <= slo.ttft_s and (r["tpot_s"] is None or r["tpot_s"] <= slo.tpot_s)
-        good[(r["system"], r["rate"])] += met
+        good[(r["system"], r["rate"])] += slo.met(r["ttft_s"], r["tpot_s"])
     return {k: good[k] / duration[k] for k in duration}
 
 

@@ -36,9 +36,9 @@ class SLO:
     ttft_s: float = 3.0
     tpot_s: float = 0.25
 
-    def met(self, t: RequestTiming) -> bool:
+    def met(self, ttft: float, tpot: float | None) -> bool:
         """TTFT within bound, and TPOT within bound where there is one (a one-token answer has none)."""
-        return t.ttft <= self.ttft_s and (t.tpot is None or t.tpot <= self.tpot_s)
+        return ttft <= self.ttft_s and (tpot is None or tpot <= self.tpot_s)
 
 
 def _stats(values: Sequence[float]) -> dict[str, float]:  # the mean and PERCENTILES
@@ -92,7 +92,7 @@ def serving_metrics(timings: Sequence[RequestTiming], slo: SLO = SLO()) -> Servi
         raise ValueError("a run's duration must be > 0 (the last completion after the first arrival)")
     return ServingMetrics(
         completed=len(timings), duration_s=duration, output_tokens=sum(t.output_len for t in timings),
-        good=sum(slo.met(t) for t in timings),
+        good=sum(slo.met(t.ttft, t.tpot) for t in timings),
         ttft=_stats([t.ttft for t in timings]),
         tpot=_stats([t.tpot for t in timings if t.tpot is not None]),
         itl=_stats([gap for t in timings for gap in t.itl]),
