@@ -17,7 +17,7 @@ FORMATS = ["q4_1", "q8_0"]
 # (out rows, in features, x rows): odd block counts, row counts off every tile and task size, and 1-4 rows of
 # x, which take several weight rows together (with one at a time for what is left of a task)
 SHAPES = [(1, 32, 1), (7, 96, 3), (17, 160, 9), (33, 576, 5), (50, 1536, 13), (129, 64, 33), (39, 96, 1),
-          (38, 160, 2), (21, 64, 4)]
+          (38, 160, 2), (21, 64, 4), (45, 160, 70)]  # the last: many rows of x over expanded weight rows
 
 
 @pytest.fixture(scope="module")

@@ -149,6 +149,70 @@ constexpr int TILE = 8;  // rows of x per expanded block: 16 accumulators of the
 // overlap (more rows would be more streams from memory at once, which measured slower)
 constexpr int rows_together(int R) { return R <= 4 ? 2 : 1; }
 
+// More rows of x than two tiles would expand each block again for every tile. So a task's weight rows are expanded
+// once into floats (`wf`, on 64-byte lines, so that no load of a block straddles two), and the rows of x pass over
+// them EXPANDED_TILE at a time, EXPANDED_G weight rows together: per block, 2 G weights and 2 R inputs loaded for
+// 2 G R products (24 accumulators, 4 weights and 2 inputs of the 32 registers). The same products, in the same
+// order, as row_tile's, so the same bits.
+constexpr int EXPANDED_G = 2, EXPANDED_TILE = 6;
+
+template <Fmt F>
+void expand_row(const uint8_t* w, int64_t nb, float* wf) {
+  constexpr int64_t BYTES = F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    __m512 w0, w1;
+    _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+    expand<F>(blk, w0, w1);
+    _mm512_store_ps(wf + b * QK, w0);
+    _mm512_store_ps(wf + b * QK + 16, w1);
+  }
+}
+
+// G expanded weight rows (row g at wf + g * nb * 32) against R rows of x: out[r * ldo + g] = x[r] . wf[g].
+template <int G, int R>
+void expanded_tile(const float* wf, int64_t nb, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  const int64_t K = nb * QK;
+  __m512 acc[2 * G * R];  // (g, r)'s two sums at 2 * (g * R + r), as in row_tile
+#pragma GCC unroll 24
+  for (int i = 0; i < 2 * G * R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 wv[2 * G];
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+      wv[2 * g] = _mm512_load_ps(wf + g * K + b * QK);
+      wv[2 * g + 1] = _mm512_load_ps(wf + g * K + b * QK + 16);
+    }
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 x0 = _mm512_loadu_ps(x + r * ldx + b * QK), x1 = _mm512_loadu_ps(x + r * ldx + b * QK + 16);
+#pragma GCC unroll 2
+      for (int g = 0; g < G; ++g) {
+        __m512* a = acc + 2 * (g * R + r);
+        a[0] = _mm512_fmadd_ps(wv[2 * g], x0, a[0]);
+        a[1] = _mm512_fmadd_ps(wv[2 * g + 1], x1, a[1]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce16(_mm512_add_ps(acc[2 * (g * R + r)], acc[2 * (g * R + r) + 1]));
+}
+
+// Expanded weight rows 0..n against `rows` (1..EXPANDED_TILE) rows of x, EXPANDED_G weight rows at a time.
+template <int R = EXPANDED_TILE>
+void expanded_rows(int rows, int64_t n, const float* wf, int64_t nb, const float* x, int64_t ldx, float* out,
+                   int64_t ldo) {
+  if constexpr (R > 0) {
+    if (rows != R) return expanded_rows<R - 1>(rows, n, wf, nb, x, ldx, out, ldo);
+    const int64_t K = nb * QK;
+    int64_t g = 0;
+    for (; g + EXPANDED_G <= n; g += EXPANDED_G) expanded_tile<EXPANDED_G, R>(wf + g * K, nb, x, ldx, out + g, ldo);
+    for (; g < n; ++g) expanded_tile<1, R>(wf + g * K, nb, x, ldx, out + g, ldo);
+  }
+}
+
 #elif defined(__AVX2__)
 
 template <Fmt F>
@@ -313,6 +377,25 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
           const int64_t rows = B / tiles + (t < B % tiles);
           if (rows == 3) expanded_tile<3>(wf.data(), nb, x + b0 * K, K, out + b0 * N + o, N);
           else expanded_tile<2>(wf.data(), nb, x + b0 * K, K, out + b0 * N + o, N);
+          b0 += rows;
+        }
+      }
+    });
+    return;
+  }
+#endif
+#if defined(__AVX512F__)
+  if (B > 2 * TILE) {  // each task's weight rows expanded once, then every row of x over them
+    parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      std::vector<float> buffer(ROWS_PER_TASK * K + 16);
+      float* wf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+      const int64_t tiles = (B + EXPANDED_TILE - 1) / EXPANDED_TILE;  // even tiles of B / tiles rows or one more
+      for (int64_t o0 = begin; o0 < end; o0 += ROWS_PER_TASK) {
+        const int64_t o1 = std::min(end, o0 + ROWS_PER_TASK);
+        for (int64_t o = o0; o < o1; ++o) expand_row<F>(w + o * row_bytes, nb, wf + (o - o0) * K);
+        for (int64_t t = 0, b0 = 0; t < tiles; ++t) {
+          const int rows = static_cast<int>(B / tiles + (t < B % tiles));
+          expanded_rows(rows, o1 - o0, wf, nb, x + b0 * K, K, out + b0 * N + o0, N);
           b0 += rows;
         }
       }
