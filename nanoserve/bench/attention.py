@@ -1,6 +1,7 @@
 """`python -m nanoserve bench attention`: one decode step's attention on every road (IMPLS), Days 23-24: one
 layer, `batch` requests of `context` keys in blocks over a shuffled pool, checked to agree, then timed interleaved
-on cold caches; GB/s is the ideal bytes (every key and value read once) over the median time."""
+on cold caches, in an order shuffled each round; GB/s is the ideal bytes (every key and value read once) over
+the median time."""
 
 from __future__ import annotations
 
@@ -98,8 +99,8 @@ def decode_step(batch: int, context: int, n_heads: int, n_kv_heads: int, head_di
 def measure(batch: int, context: int, n_heads: int = 9, n_kv_heads: int = 3, head_dim: int = 64,
             block_size: int = 16, repeats: int = 30, budget_s: float = 4.0, read_bw: float = 1.0,
             impls: Sequence[str] = IMPLS, flush_bytes: int = FLUSH_BYTES) -> list[Point]:
-    """Every road at one (batch, context), checked to agree, timed interleaved on cold caches: `repeats` rounds,
-    fewer (at least 5) where a round takes longer than budget_s / repeats."""
+    """Every road at one (batch, context), checked to agree, timed interleaved on cold caches, in an order shuffled
+    each round: `repeats` rounds, fewer (at least 5) where a round takes longer than budget_s / repeats."""
     flush = torch.ones(flush_bytes // 4) if flush_bytes else None
     roads = decode_step(batch, context, n_heads, n_kv_heads, head_dim, block_size)
     roads = {name: fn for name, fn in roads.items() if name in impls}
@@ -112,7 +113,7 @@ def measure(batch: int, context: int, n_heads: int = 9, n_kv_heads: int = 3, hea
         one_round = time_callable(lambda: [fn() for fn in roads.values()], 1, warmup=0)[0]
         n = max(5, min(repeats, int(budget_s / max(one_round, 1e-9))))
         cold = None if flush is None else lambda _: flush.sum()  # the second road to read a pool finds it cold too
-        samples = interleaved(list(roads.values()), n, warmup=0, before=cold)
+        samples = interleaved(list(roads.values()), n, warmup=0, before=cold, shuffle=0)
     ideal = kv_ideal_bytes(batch, context, n_kv_heads, head_dim)
     threads = torch.get_num_threads()
     return [Point(name, threads, batch, context, block_size, summarize(s), ideal, read_bw)

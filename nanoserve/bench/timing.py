@@ -4,6 +4,7 @@ TTFT, time to first token; TPOT, (latency - TTFT) / (output_len - 1); ITL, the g
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -82,23 +83,29 @@ class StreamTimer:
 
 
 def interleaved(fns: Sequence[Callable[[], object]], repeats: int, warmup: int = 1, clock: Clock = DEFAULT_CLOCK,
-                before: Callable[[Callable[[], object]], object] | None = None) -> list[list[float]]:
+                before: Callable[[Callable[[], object]], object] | None = None,
+                shuffle: int | None = None) -> list[list[float]]:
     """Time each fn `repeats` times round-robin (a, b, c, a, b, c, ...) after `warmup` untimed rounds, so drift
     on a shared machine falls on every fn alike; `before(fn)` runs untimed ahead of each timed call of fn (a
-    cache flush, or fn itself to time it warm). One list of durations per fn (`summarize` each)."""
+    cache flush, or fn itself to time it warm). With a `shuffle` seed each round takes the fns in an order of
+    its own: a call can leave the machine in a state a flush does not reset, and in a fixed order one fn would
+    always pay for the same neighbour. One list of durations per fn (`summarize` each)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):  # one-off costs (allocator growth, lazy init) stay out of the first sample
         for fn in fns:
             fn()
     samples: list[list[float]] = [[] for _ in fns]
+    order, rng = list(range(len(fns))), random.Random(shuffle)
     for _ in range(repeats):
-        for fn, durations in zip(fns, samples):
+        if shuffle is not None:
+            rng.shuffle(order)
+        for i in order:
             if before is not None:
-                before(fn)
+                before(fns[i])
             t0 = clock()
-            fn()
-            durations.append(clock() - t0)
+            fns[i]()
+            samples[i].append(clock() - t0)
     return samples
 
 

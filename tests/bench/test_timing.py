@@ -161,6 +161,27 @@ def test_interleaved_takes_turns_after_warmup_rounds_and_runs_before_untimed():
     assert samples == [[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]] and clock.reads == 12  # two reads per timed call only
 
 
+def test_interleaved_shuffle_varies_the_order_per_round_and_files_each_duration_under_its_fn():
+    calls = []
+    fns = [lambda name=name: calls.append(name) for name in "abc"]
+    durations = {"a": 0.5, "b": 0.25, "c": 0.125}
+
+    readings = []
+
+    def clock() -> float:  # the reading after a call is the one before it plus that fn's duration
+        readings.append(readings[-1] + durations[calls[-1]] if len(readings) % 2 else (readings or [0.0])[-1])
+        return readings[-1]
+
+    samples = interleaved(fns, repeats=12, warmup=0, clock=clock, shuffle=0)
+    rounds_ = ["".join(calls[3 * r:3 * r + 3]) for r in range(12)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds_)  # every fn once a round
+    assert len(set(rounds_)) > 1 and len({r[0] for r in rounds_}) == 3  # the order moves: each fn goes first
+    assert samples == [[0.5] * 12, [0.25] * 12, [0.125] * 12]  # each call's time under its own fn
+    calls.clear()
+    interleaved(fns, repeats=12, warmup=0, clock=FakeClock(*[0.0] * 72), shuffle=0)
+    assert ["".join(calls[3 * r:3 * r + 3]) for r in range(12)] == rounds_  # a seed gives the same orders
+
+
 def test_interleaved_before_gets_the_fn_so_a_call_can_be_timed_warm():
     calls = []
     interleaved([lambda: calls.append("a")], repeats=2, warmup=0, before=lambda fn: fn())
