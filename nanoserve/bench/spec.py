@@ -62,7 +62,7 @@ class RunRecord:
     accepted: int
     decode_s: float  # first token to last
     token_ids: str  # the output, space-separated: runs are compared with plain's
-    concurrency: int = 1  # requests running together (older CSVs ran one at a time)
+    concurrency: int  # requests running together
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ def write_csv(path: str | Path, runs: Sequence[RunRecord], steps: Sequence[Forwa
 
 
 def read_csv(path: str | Path) -> tuple[dict[str, str], list[RunRecord], list[ForwardTiming]]:
-    """The header, the requests (concurrency 1 where an older CSV lacks it) and the step timings."""
+    """The header, the requests and the step timings."""
     meta, rows = csvio.read_csv(path)
     runs = csvio.records(RunRecord, [r for r in rows if r["kind"] == "run"])
     return meta, runs, csvio.records(ForwardTiming, [r for r in rows if r["kind"] == "step"])

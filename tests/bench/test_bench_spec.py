@@ -1,5 +1,5 @@
-"""`bench spec`'s parts: the summary's ratios and counts per concurrency, the CSV round trip (older CSVs
-included), plain and speculative runs through the engine on a tiny model, the step timer."""
+"""`bench spec`'s parts: the summary's ratios and counts per concurrency, the CSV round trip, plain and
+speculative runs through the engine on a tiny model, the step timer."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import itertools
 
 import pytest
 
-from nanoserve.bench import csvio
 from nanoserve.bench.spec import (
-    CSV_FIELDS,
     ForwardTiming,
     RunRecord,
     read_csv,
@@ -63,18 +61,13 @@ def test_step_costs_divide_within_a_round():
     assert step_costs(steps) == pytest.approx({1: 1.0, 4: 1.2})
 
 
-def test_csv_round_trip_and_an_older_csv_without_concurrency(tmp_path):
+def test_csv_round_trip(tmp_path):
     steps = [ForwardTiming(0, 1, 8, 0.01), ForwardTiming(0, 3, 8, 0.0125)]
     runs = RUNS + [record(0, "chat", 1, "plain", 0, 5, 4, 0, 0, 0.5, "4 5", 8)]
     path = tmp_path / "spec.csv"
     write_csv(path, runs, steps, {"command": "test"})
     meta, back, back_steps = read_csv(path)
     assert meta == {"command": "test"} and back == runs and back_steps == steps
-    meta, rows = csvio.read_csv(path)  # as the committed CSV was written: no concurrency column
-    old_fields = [f for f in CSV_FIELDS if f != "concurrency"]
-    csvio.write_csv(tmp_path / "old.csv", [{f: r[f] for f in old_fields} for r in rows], meta, old_fields)
-    _, old, old_steps = read_csv(tmp_path / "old.csv")
-    assert [r.concurrency for r in old] == [1] * len(runs) and old_steps == steps
 
 
 def test_with_drafts_sets_the_draft_length_and_keeps_the_rest():
