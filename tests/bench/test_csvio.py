@@ -67,7 +67,7 @@ def test_every_committed_csv_reads_with_its_commands_reader():
     for name in ("day-29-batchbench-avx2.csv", "day-29-batchbench-prompt320.csv"):
         assert batch.read_run(DATA / name)[1]
     meta, rows = paged.read_csv(DATA / "day-20-paged-vs-contiguous.csv")
-    assert meta["clock"] == "cpu" and rows[0]["context"] == 128 and isinstance(rows[0]["ratio"], float)
+    assert meta["clock"] == "wall" and rows[0]["context"] == 128 and isinstance(rows[0]["ratio"], float)
     meta, rows = attention.read_csv(DATA / "bench-attention.csv")
     assert meta["split_keys"] == "512" and {r["impl"] for r in rows} == set(attention.IMPLS)
     meta, rows = decode.read_csv(DATA / "bench-decode.csv")
