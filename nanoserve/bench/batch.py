@@ -1,6 +1,7 @@
 """`python -m nanoserve bench batch`: static batching, measured (Day 29): the blocking run, then uniform batches of
 `--sizes` rows, our step (on the kernels and on torch's ops) and transformers' `generate` round by round, the
-machine's peak measured before each round."""
+machine's peak and read bandwidth measured before each round (their medians make the roofline: a machine's pace
+moves, and a step timed at one moment over a bandwidth read at another is a ratio of two moments)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .batchbench import BatchScaling, BatchTiming, fit_batch_scaling, read_csv, 
 from .command import common_arguments, csv_header, report, start
 from .harness import PASSAGE as PASSAGE  # notebooks read the passage here
 from .harness import PROMPTS
-from .roofline import measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline, step_roofline
+from .roofline import measure_bandwidth, measure_gemm_flops, measure_onednn_gemm_flops, measure_roofline, step_roofline
 
 CSV_PATH = "data/day-29-batchbench.csv"
 read_run = read_csv  # a batch CSV's header (values JSON-decoded) and labelled runs
@@ -116,7 +117,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
           f"at {t.batch_done_s:.3f} s (head-of-line inflation {t.max_hol_inflation:.1f}x)")
     prompt = sweep_prompt(tok, args.prompt_tokens)
     peaks: list[tuple[float, float | None]] = []  # (torch.matmul, oneDNN) FLOP/s before each round, and at the end
-    measure_peaks = lambda _round: peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
+    reads: list[float] = []  # read bytes/s, the same moments
+
+    def measure_peaks(_round: int) -> None:
+        peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
+        reads.append(measure_bandwidth(2**28, 3)[0])
+
     hf_model = None if args.no_hf else harness.load_hf_model()
     torch_ops = kernels.use_kernels(model.dtype) and not args.no_torch_ops
     runs = sweep_beside(model, hf_model, prompt, args.sizes, args.steps, args.rounds,
@@ -128,9 +134,11 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if not args.no_roofline:
         roof = measure_roofline()
         peaks.append((roof.matmul_flops, roof.onednn_flops))
+        reads.append(roof.read_bandwidth)
         meta.update(peak_flops_torch=statistics.median(p[0] for p in peaks),
                     peak_flops_onednn=None if roof.onednn_flops is None else statistics.median(p[1] for p in peaks),
-                    peak_flops_samples=peaks, read_bandwidth=roof.read_bandwidth, copy_bandwidth=roof.copy_bandwidth)
+                    peak_flops_samples=peaks, read_bandwidth=statistics.median(reads), read_bandwidth_samples=reads,
+                    copy_bandwidth=roof.copy_bandwidth)
     roads = lambda b: (("nanoserve", runs.ours[b]), (TORCH_OPS_LABEL, runs.torch_ops.get(b, [])),
                        ("transformers", runs.theirs[b]))
     write_csv(args.out, [("blocking", blocking)] + [(label, t) for b in args.sizes for label, ts in roads(b)

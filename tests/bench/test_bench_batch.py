@@ -99,3 +99,22 @@ def test_command_writes_the_csv_with_its_meta_lines(model, tmp_path, compiled):
     assert meta["command"] == "python -m nanoserve " + " ".join(argv)
     assert "threads" in meta["machine"] and meta["weight_bytes"] == model.weight_bytes()
     assert json.dumps(meta)  # every meta value is plain data
+
+
+def test_the_roofline_takes_the_median_of_the_peaks_and_reads_measured_beside_the_rounds(model, tmp_path,
+                                                                                         monkeypatch):
+    from nanoserve.bench import batch
+    from nanoserve.bench.roofline import Roofline
+
+    flops, reads = iter([3e11, 1e11]), iter([5e10, 8e10])  # before rounds 0 and 1; the end's come from Roofline
+    monkeypatch.setattr(batch, "measure_gemm_flops", lambda: next(flops))
+    monkeypatch.setattr(batch, "measure_onednn_gemm_flops", lambda: None)
+    monkeypatch.setattr(batch, "measure_bandwidth", lambda nbytes, repeats: (next(reads), 0.0))
+    monkeypatch.setattr(batch, "measure_roofline", lambda: Roofline(2e11, None, 7e10, 6e10, 2, 2048, 2**30))
+    out = tmp_path / "bb.csv"
+    assert main(["bench", "batch", "--sizes", "1", "--steps", "2", "--rounds", "2", "--no-hf", "--no-torch-ops",
+                 "--out", str(out)]) == 0
+    meta, _ = read_run(out)
+    assert meta["peak_flops_torch"] == 2e11 and meta["peak_flops_onednn"] is None
+    assert meta["read_bandwidth_samples"] == [5e10, 8e10, 7e10] and meta["read_bandwidth"] == 7e10  # their median
+    assert meta["copy_bandwidth"] == 6e10
