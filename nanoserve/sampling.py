@@ -289,18 +289,22 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
 def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[dict[int, tuple[float, int]]]:
     """Row i's log-softmax (of the logits as the model produced them) at tokens[i], and at its top[i] likeliest
     tokens: {token: (logprob, rank)}, rank 1 the likeliest (ties share the better rank), the chosen token first.
-    The log-softmax is logit - logsumexp, taken only where it is read."""
+    The log-softmax is logit - logsumexp, taken only where it is read. A token's rank counts the logits above
+    it; where the token is among the row's top ones (a greedy token always is), every logit above it is in the
+    top-k already read, so only the other rows are compared across the vocabulary."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1)
     chosen = x.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None].clamp(min=0))  # (R, 1)
-    ranks = (x > chosen).sum(-1) + 1
     mine = chosen - lse
-    k = max(top, default=0)
-    best = x.topk(k, dim=-1) if k else None
+    best = x.topk(min(max(max(top, default=0), 1), x.shape[-1]), dim=-1)
+    ranks = (best.values > chosen).sum(-1) + 1
+    outside = (~(chosen[:, 0] >= best.values[:, -1])).nonzero()[:, 0]  # rows not shown in their top-k (or NaN)
+    if outside.numel():
+        ranks[outside] = (x[outside] > chosen[outside]).sum(-1) + 1
     out = []
     for i, t in enumerate(tokens):
         entry = {int(t): (float(mine[i, 0]), int(ranks[i]))}
-        if best is not None:
+        if top[i]:
             values = (best.values[i, :top[i]] - lse[i]).tolist()
             for r, (v, tok) in enumerate(zip(values, best.indices[i, :top[i]].tolist())):
                 entry.setdefault(tok, (v, r + 1))

@@ -20,6 +20,7 @@ from nanoserve.sampling import (
     apply_repetition_penalty,
     argmax_rows,
     filtered_probs,
+    logprobs_of,
     nucleus,
     sample,
 )
@@ -371,3 +372,21 @@ def test_stop_checker_eos_releases_the_held_text():
     stopper = StopChecker(SamplingParams(temperature=0, max_tokens=9, stop=["xyz"]), eos_ids=[0], max_new=100)
     assert stopper.check(5, 1, "ab") == ("", None)  # the last len("xyz") - 1 characters are held back
     assert stopper.check(0, 2, "") == ("ab", "stop")
+
+
+def test_logprobs_of_ranks_count_every_logit_above_the_token_whether_or_not_it_is_in_the_top_k():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-4, 5, (64, 40), generator=g).float()  # many ties
+    logits[3, 7] = math.nan  # a NaN beside finite logits, and a row that is all NaN
+    logits[5] = math.nan
+    tokens = torch.randint(0, 40, (64,), generator=g).tolist()
+    tokens[:8] = logits[:8].nan_to_num(-math.inf).argmax(-1).tolist()  # greedy picks too
+    tokens[3] = int(logits[3].nan_to_num(math.inf).argmin())  # the lowest logit, in the row a NaN tops
+    for top in ([0] * 64, [1] * 64, [5] * 64, [i % 6 for i in range(64)], [40] * 64):
+        out = logprobs_of(logits, tokens, top)
+        lse = torch.logsumexp(logits, -1)
+        for i, (t, entry) in enumerate(zip(tokens, out)):
+            (token, (value, rank)), *others = entry.items()
+            assert token == t and rank == int((logits[i] > logits[i, t]).sum()) + 1
+            assert value == float(logits[i, t] - lse[i]) or math.isnan(value)
+            assert len(entry) <= top[i] + 1
