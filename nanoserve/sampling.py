@@ -265,7 +265,7 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
         x = x.clone()
     for j, i in enumerate(rest):
         if i in masks:
-            apply_bitmask_(x[j:j + 1], masks[i][None])
+            apply_bitmask_(x[j:j + 1], masks[i][None], compiled)
         if rows[i].params.penalized:
             _penalize_all(x[j], rows[i].params, seen[i] if seen else (), generated[i] if generated else ())
     ok = torch.isfinite(x.amax(-1))  # (r,): some token is allowed and nothing is NaN

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
+from . import kernels
 from .tokenizer import Tokenizer
 
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -166,7 +167,10 @@ def allowed(bitmask: Tensor, vocab_size: int) -> Tensor:
     return (bitmask.contiguous().view(torch.uint8).view(R, -1, 1) & _BITS).view(R, -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
-    """Set the logits (R, V) of every token a row's bitmask (R, words) forbids to -inf, in place."""
+def apply_bitmask_(logits: Tensor, bitmask: Tensor, compiled: bool | None = None) -> Tensor:
+    """Set the logits (R, V) of every token a row's bitmask (R, words) forbids to -inf, in place: the kernel's
+    one pass where `compiled` (None: where built), else `allowed`'s booleans and masked_fill_ (the same logits)."""
+    if kernels.resolve(compiled) and kernels.fits(logits) and bitmask.dtype == torch.int32 and bitmask.is_contiguous():
+        return kernels.apply_bitmask_(logits, bitmask)
     logits.masked_fill_(~allowed(bitmask, logits.shape[-1]), float("-inf"))
     return logits

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 import torch
 
+from nanoserve import kernels
 from nanoserve.engine import LLMEngine
 from nanoserve.generate import generate
 from nanoserve.sampling import INVALID, RowSampler, SamplingParams, sample
@@ -55,6 +56,22 @@ def test_the_bitmask_is_bit_t_of_word_t_over_32():
     apply_bitmask_(logits, mask)
     assert torch.isinf(logits[0]).sum() == V - 3 and torch.equal(logits[0, [0, 5, 67]], before[0, [0, 5, 67]])
     assert torch.equal(logits[1], before[1])
+
+
+@pytest.mark.parametrize("V", [1, 31, 33, 70, 49152])
+def test_the_kernel_applies_a_bitmask_as_masked_fill_does(compiled, V):
+    g = torch.Generator().manual_seed(V)
+    mask = torch.randint(-2**31, 2**31 - 1, (6, words(V)), dtype=torch.int32, generator=g)
+    mask[1], mask[2], mask[3, ::2] = -1, 0, -1  # every token, none, and whole words of each beside random ones
+    logits = torch.randn(6, V, generator=g)
+    logits[4, ::7] = float("nan")  # forbidden NaNs become -inf, allowed ones stay
+    with torch.inference_mode():  # as the engine samples (the kernels take no tensor that wants a gradient)
+        by_torch = apply_bitmask_(logits.clone(), mask, compiled=False)
+        by_kernel = kernels.apply_bitmask_(logits.clone(), mask)
+        assert torch.equal(by_kernel.view(torch.int32), by_torch.view(torch.int32))  # bit for bit, NaNs too
+        assert torch.equal(apply_bitmask_(logits.clone(), mask).view(torch.int32), by_torch.view(torch.int32))
+        with pytest.raises(RuntimeError, match=r"bitmask: expected contiguous int32 \(6, "):
+            kernels.apply_bitmask_(logits.clone(), mask[:, :-1].contiguous() if V > 32 else mask[:1])
 
 
 def test_a_mask_in_the_batched_sampler_confines_its_row_alone():

@@ -203,6 +203,15 @@ def argmax_rows(logits: Tensor) -> Tensor:
     return _ext().argmax_rows(logits)
 
 
+def apply_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
+    """logits (R, V) fp32, bitmask (R, ceil(V / 32)) int32: every token a row's bits forbid set to -inf, in
+    place, in one pass (`structured.apply_bitmask_` says what the bits mean)."""
+    if has_torch_function((logits, bitmask)):
+        return handle_torch_function(apply_bitmask_, (logits, bitmask), logits, bitmask)
+    _ext().apply_bitmask_(logits, bitmask)
+    return logits
+
+
 SPLIT_KEYS = 512
 """Split-K's piece: a query row with more keys than this is read in pieces of this many keys, one task each,
 merged in order (flash-decoding). A constant, so a row's pieces, and its bits, never depend on the batch or

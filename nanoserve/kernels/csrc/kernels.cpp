@@ -631,6 +631,32 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// A grammar's token masks applied in place: logits (R, V) fp32, bitmask (R, ceil(V / 32)) int32, bit j of word w
+// allowing token 32 w + j; every token not allowed becomes -inf, as masked_fill_ writes it. One pass over a row,
+// a word at a time: a word that allows all 32 is skipped, one that allows none fills 32 at once.
+void apply_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2, "logits: expected (rows, vocab)");
+  const int64_t R = logits.size(0), V = logits.size(1), W = (V + 31) / 32;
+  TORCH_CHECK(bitmask.scalar_type() == torch::kInt32 && bitmask.is_contiguous() && bitmask.dim() == 2 &&
+                  bitmask.size(0) == R && bitmask.size(1) == W,
+              "bitmask: expected contiguous int32 (", R, ", ", W, "), got ", bitmask.scalar_type(), " ",
+              bitmask.sizes());
+  float* lp = logits.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t w = 0; w < W; ++w) {
+        const uint32_t bits = mp[r * W + w];
+        if (bits == 0xffffffffu) continue;
+        float* x = lp + r * V + w * 32;
+        const int64_t n = std::min<int64_t>(32, V - w * 32);
+        for (int64_t j = 0; j < n; ++j)
+          if (!((bits >> j) & 1u)) x[j] = -INFINITY;
+      }
+  });
+}
+
 namespace {
 
 // at[j] = where key l0 + j's slot starts in the pool (j < n), block by block: no division per key.
