@@ -651,6 +651,10 @@ void apply_bitmask_(torch::Tensor logits, torch::Tensor bitmask) {
         if (bits == 0xffffffffu) continue;
         float* x = lp + r * V + w * 32;
         const int64_t n = std::min<int64_t>(32, V - w * 32);
+        if (bits == 0) {
+          std::fill(x, x + n, -INFINITY);
+          continue;
+        }
         for (int64_t j = 0; j < n; ++j)
           if (!((bits >> j) & 1u)) x[j] = -INFINITY;
       }
