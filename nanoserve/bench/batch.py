@@ -119,14 +119,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     peaks: list[tuple[float, float | None]] = []  # (torch.matmul, oneDNN) FLOP/s before each round, and at the end
     reads: list[float] = []  # read bytes/s, the same moments
 
-    def measure_peaks(_round: int) -> None:
+    def measure_machine(_round: int) -> None:
         peaks.append((measure_gemm_flops(), measure_onednn_gemm_flops()))
         reads.append(measure_bandwidth(2**28, 3)[0])
 
     hf_model = None if args.no_hf else harness.load_hf_model()
     torch_ops = kernels.use_kernels(model.dtype) and not args.no_torch_ops
     runs = sweep_beside(model, hf_model, prompt, args.sizes, args.steps, args.rounds,
-                        None if args.no_roofline else measure_peaks, torch_ops)
+                        None if args.no_roofline else measure_machine, torch_ops)
     fit = lambda by: fit_batch_scaling(args.sizes, [pooled_median(by[b]) for b in args.sizes]) if by else None
     meta.update(sweep_prompt_tokens=len(prompt), sweep_steps=args.steps, rounds=args.rounds,
                 transformers_same_tokens=all(runs.same.values()) if runs.same else None,
