@@ -765,6 +765,12 @@ constexpr int TILE = 4;  // rows of x per quad of four weight rows read
 // ---- the packed layout (pack_group): a quad's weights are whole registers, lane 4j + i for row j's block i,
 // and the activations are read in the matching order, so the integer sums land in their lanes with no permute.
 
+// A short quad of n < 4 blocks is stored compact; SHORT_QUAD[n] takes lane 4j + i from its lane j * n + i (lanes
+// i >= n are masked off).
+alignas(64) constexpr int32_t SHORT_QUAD[4][16] = {
+    {}, {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3}, {0, 1, 1, 1, 2, 3, 3, 3, 4, 5, 5, 5, 6, 7, 7, 7},
+    {0, 1, 2, 2, 3, 4, 5, 5, 6, 7, 8, 8, 9, 10, 11, 11}};
+
 ROAD_FN __m512i chunk(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 // Quad t (n real blocks, FULL: n = 4) of a packed group at p against R rows of x, into acc[r][U].
@@ -775,10 +781,16 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
   const int64_t reg = FULL ? 64 : 16 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
     ROAD_PREFETCH(p + ahead);
+  // a short quad's lanes move into place by a plain load and a fixed permute: every row of the model's K = 576
+  // ends in one, and an index built in memory per quad (narrow stores read back as one register stall the load)
+  // with an expanding load made that quad cost more than a whole one
+  const __m512i spread = FULL ? _mm512_setzero_si512() : idx(SHORT_QUAD[n]);
+  const __mmask16 stored = first16(4 * n);  // a short quad's compact lanes
   __m512i w[8];
 #pragma GCC unroll 8
   for (int k = 0; k < REGS; ++k)
-    w[k] = FULL ? _mm512_loadu_si512(p + 64 * k) : _mm512_maskz_expandloadu_epi32(real, p + reg * k);
+    w[k] = FULL ? _mm512_loadu_si512(p + 64 * k)
+                : _mm512_maskz_permutexvar_epi32(real, spread, _mm512_maskz_loadu_epi32(stored, p + reg * k));
   if constexpr (F == Fmt::Q4_1) {
     const __m512i low = _mm512_set1_epi8(15);
 #pragma GCC unroll 4
@@ -793,13 +805,9 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
     dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
     mw = F == Fmt::Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))) : dw;
   } else {  // compact lanes j * n + i -> lane 4j + i
-    alignas(64) int32_t at[16];
-    for (int j = 0; j < 4; ++j)
-      for (int i = 0; i < 4; ++i) at[4 * j + i] = static_cast<int32_t>(j * n + std::min<int64_t>(i, n - 1));
-    const __m512i idx = _mm512_load_si512(at);
-    const __mmask16 heads = static_cast<__mmask16>((1u << (4 * n)) - 1);
-    dw = _mm512_maskz_permutexvar_ps(real, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, h)));
-    mw = F == Fmt::Q4_1 ? _mm512_maskz_permutexvar_ps(real, idx, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(heads, h + 8 * n)))
+    dw = _mm512_maskz_permutexvar_ps(real, spread, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(stored, h)));
+    mw = F == Fmt::Q4_1 ? _mm512_maskz_permutexvar_ps(real, spread,
+                                                      _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(stored, h + 8 * n)))
                         : dw;
   }
 #pragma GCC unroll 8
