@@ -149,8 +149,9 @@ def packed_here() -> bool:
 
 def pack(blocks: Tensor, fmt: str, road: str | None = None) -> Tensor:
     """blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout (None: this CPU's best), 1-dim,
-    (N + 3) // 4 * 4 rows' worth: blocks moved so that each register's lanes are one (row, block) each
-    (`csrc/int8.cpp`: four rows' quads side by side for AVX512-VNNI, a row's groups of eight for AVX2)."""
+    (N + 3) // 4 * 4 rows' worth and a 64-byte tail: blocks moved so that each register's lanes are one (row,
+    block) each (`csrc/int8.cpp`: four rows' quads side by side for AVX512-VNNI, a row's groups of eight for
+    AVX2)."""
     block_bytes(fmt)
     return load_kernels().pack_blocks_int8(blocks, fmt, road or "")  # type: ignore[union-attr]
 

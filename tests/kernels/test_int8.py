@@ -221,7 +221,8 @@ def test_every_packed_layout_is_the_reference_bit_for_bit(ext, fmt, shape):
     with torch.inference_mode():
         for road in packing_roads():
             packed = int8.pack(blocks, fmt, road)
-            assert packed.numel() == -(-n // 4) * 4 * blocks.shape[1]  # the same bytes, rows padded to fours
+            assert packed.numel() == -(-n // 4) * 4 * blocks.shape[1] + 64  # the same bytes, rows padded to fours,
+            # and a 64-byte tail
             for rows in range(1, 10):
                 want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
                 assert torch.equal(int8.block_linear_int8_packed(x[:rows], packed, fmt, n, road), want), (road, rows)
@@ -238,9 +239,9 @@ def test_packed_layouts_keep_non_finite_blocks_and_refuse_bad_input(ext):
             got = int8.block_linear_int8_packed(x, int8.pack(blocks, "q4_1", road), "q4_1", 6, road)
             assert torch.equal(got.isnan(), int8.block_linear_int8(x, blocks, "q4_1").isnan()) and got[1].isnan().all()
     packed = int8.pack(blocks, "q4_1")
-    with pytest.raises(RuntimeError, match=r"packed: expected the 480 contiguous uint8 bytes of 6 rows of 96 inputs"):
+    with pytest.raises(RuntimeError, match=r"packed: expected the 544 contiguous uint8 bytes of 6 rows of 96 inputs"):
         int8.block_linear_int8_packed(x, packed[:-1], "q4_1", 6)
-    with pytest.raises(RuntimeError, match=r"packed: expected the 720 contiguous uint8 bytes of 12 rows"):
+    with pytest.raises(RuntimeError, match=r"packed: expected the 784 contiguous uint8 bytes of 12 rows"):
         int8.block_linear_int8_packed(x, packed, "q4_1", 12)
     with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0', got 'q5_0'"):
         ext.pack_blocks_int8(blocks, "q5_0", "")

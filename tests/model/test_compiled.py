@@ -159,7 +159,7 @@ def test_int8_matrices_step_from_packed_copies_and_a_bad_copy_is_refused(tiny_cf
     of the wrong size is refused at construction, by matrix, not read past its end."""
     model = to_blocks(Llama.random(tiny_cfg, seed=6), activations="int8")
     mats = model.matrices()
-    assert all(m.int8_packed().numel() == -(-m.shape[0] // 4) * 4 * m.blocks.shape[1] for m in mats)
+    assert all(m.int8_packed().numel() == -(-m.shape[0] // 4) * 4 * m.blocks.shape[1] + 64 for m in mats)  # a tail
     set_activations(model, "fp32")
     assert all(m.int8_packed() is None for m in mats)  # blocks on fp32 activations read the blocks only
     set_activations(model, "int8")

@@ -230,8 +230,11 @@ constexpr bool NTA_ON_AMD = false;
 //   Q8_0: 8 registers of 16n bytes, register k lane c = the block's weights at positions P(k)..P(k)+3
 //         (P(k) = 4k, or 16 + 4(k - 4) from k = 4), each + 128 (unsigned, as vpdpbusd multiplies them); then
 //         the 4n fp16 d.
-// A short quad's lanes are compact in memory and expanded into place as they are loaded.
-inline int64_t packed_bytes(int64_t N, int64_t row_bytes) { return (N + 3) / 4 * 4 * row_bytes; }
+// A short quad's lanes are compact in memory and moved into place as they are loaded.
+// A packed weight: (N + 3) / 4 * 4 rows' bytes, then PACK_TAIL zeros, so that the 256-bit roads may load a row's
+// short last group's heads as whole registers (the lanes past its blocks are dropped).
+constexpr int64_t PACK_TAIL = 64;
+inline int64_t packed_bytes(int64_t N, int64_t row_bytes) { return (N + 3) / 4 * 4 * row_bytes + PACK_TAIL; }
 
 void pack_group(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t nb, int rows, uint8_t* out) {
   const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
@@ -494,7 +497,7 @@ const Road& packing_road(const std::string& name) {
 }  // namespace
 
 // blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout ("" for the best this CPU has: pack_group
-// for avx512-vnni, pack_row8 for avx-vnni and avx2), (N + 3) / 4 * 4 rows' worth.
+// for avx512-vnni, pack_row8 for avx-vnni and avx2), (N + 3) / 4 * 4 rows' worth and PACK_TAIL.
 torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt, std::string road) {
   using namespace int8q;
   const Fmt f = checked_fmt(fmt);
@@ -553,6 +556,10 @@ std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1
   const int64_t group_bytes = 4 * K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES);
   const auto [begin, end] = team.share((N + 3) / 4, int8q::GROUPS_PER_TASK);  // product_packed's cut
   return {packed + begin * group_bytes, (end - begin) * group_bytes};
+}
+
+int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K) {
+  return int8q::packed_bytes(N, K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES));
 }
 
 // Whether this CPU's int8 road has a packed layout (the x86 roads: BlockModel reads packed copies then).
@@ -1130,11 +1137,10 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
     dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
     mw = F == Fmt::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16))) : dw;
   } else {
-    alignas(16) uint16_t heads[16] = {};
-    std::memcpy(heads, h, 2 * n);
-    if constexpr (F == Fmt::Q4_1) std::memcpy(heads + 8, h + 2 * n, 2 * n);
-    dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(heads)));
-    mw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(heads + 8)));
+    // whole loads (lanes past n are dropped with `live`; the packed bytes end in PACK_TAIL): the short group is
+    // every row's last at the model's K = 576, and n heads copied into a register through memory stalled it
+    dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+    mw = F == Fmt::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * n))) : dw;
   }
   const bool two = FULL || n > 4;  // a short group's second quad of x may not exist
 #pragma GCC unroll 4

@@ -94,6 +94,8 @@ void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const
                         Team* team = nullptr);
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
                                float* out, Team* team = nullptr);
+// The bytes of a weight of N rows of K inputs in pack_blocks_int8's layout.
+int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K);
 // The packed bytes a team thread's share of that product reads (where it starts, how many).
 std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1, int64_t N, int64_t K,
                                                 const Team& team);

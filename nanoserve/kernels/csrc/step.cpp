@@ -120,12 +120,11 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
     mats_[i].int8 = int8[i];
     if (packed[i].numel() == 0) continue;
     const Matrix& m = mats_[i];
-    const int64_t row_bytes = m.cols / 32 * (m.q4_1 ? 20 : 34);
+    const int64_t bytes = int8_packed_bytes(m.q4_1, m.rows, m.cols);
     TORCH_CHECK(int8[i] && int8_packed_here() && m.blocks, "packed ", i, ": a packed layout is read by an x86 int8 "
                 "road, for a matrix of blocks on int8 activations");
     TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
-                packed[i].numel() == (m.rows + 3) / 4 * 4 * row_bytes,
-                "packed ", i, ": expected the ", (m.rows + 3) / 4 * 4 * row_bytes, " bytes pack_blocks_int8 makes");
+                packed[i].numel() == bytes, "packed ", i, ": expected the ", bytes, " bytes pack_blocks_int8 makes");
     keep_.push_back(packed[i]);
     mats_[i].packed = packed[i].data_ptr<uint8_t>();
   }
