@@ -65,9 +65,9 @@ template <Fmt F>
 constexpr int64_t block_bytes() { return F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
 
 // x quantized, B rows, as the vector roads read it: 4 blocks to 128 bytes (a quad), the first halves (positions
-// 0..15) of blocks 4t..4t+3, then their second halves, zeros padding the last quad; a weight quad split the same
-// way (Q4_1's low and high nibbles) meets it in two 64-byte products. d, ds, s are padded with zeros to whole
-// groups of 16.
+// 0..15) of blocks 4t..4t+3, then their second halves, zeros padding the row to a whole pair of quads; a weight
+// quad split the same way (Q4_1's low and high nibbles) meets it in two 64-byte products. d, ds, s are padded with
+// zeros to whole groups of 16.
 struct Acts {
   const int8_t* qi;  // (B, kq)
   const float* d;    // (B, ld)
@@ -297,6 +297,22 @@ void transpose_halves(int8_t* qi, int64_t halves) {
   }
 }
 
+// For the 256-bit roads' groups of eight blocks: each pair of transposed quads interleaved chunk by chunk (for each
+// half, chunk k of the first quad, then chunk k of the second), so that a group's chunk k is one 32-byte load, lane
+// i block i, where it took two loads and an insert for every weight row.
+void pair_quads(int8_t* qi, int64_t pairs) {
+  for (int64_t p = 0; p < pairs; ++p) {
+    int8_t t[2 * QUAD];
+    int8_t* q = qi + 2 * QUAD * p;
+    std::memcpy(t, q, sizeof t);
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 4; ++k) {
+        std::memcpy(q + 128 * h + 32 * k, t + 64 * h + 16 * k, 16);
+        std::memcpy(q + 128 * h + 32 * k + 16, t + QUAD + 64 * h + 16 * k, 16);
+      }
+  }
+}
+
 // (row groups g0..g1 of four rows, of a packed weight of N rows, against all B rows of x whose quads are transposed)
 using PackedFn = void (*)(Fmt, const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
 
@@ -357,7 +373,7 @@ struct Quantized {
 };
 
 Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
-  const int64_t nb = K / QK, kq = (nb + 3) / 4 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
+  const int64_t nb = K / QK, kq = (nb + 7) / 8 * 2 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
   const size_t bytes = static_cast<size_t>(B * (kq + 3 * ld * 4));
   thread_local std::vector<uint8_t> kept;
   if (kept.size() < bytes + 64) kept.resize(bytes + 64);
@@ -371,8 +387,8 @@ Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
   at::parallel_for(0, B, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       int8_t* q = qi + r * kq;
-      if (nb % 4) {  // the last quad's missing blocks
-        for (int64_t b = nb; b % 4; ++b) {
+      if (nb % 8) {  // the last pair of quads' missing blocks
+        for (int64_t b = nb; b % 8; ++b) {
           std::memset(q + lo_at(b), 0, 16);
           std::memset(q + lo_at(b) + 64, 0, 16);
         }
@@ -476,6 +492,7 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
   const Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
+  if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
   parallel_rows(team, (N + 3) / 4, GROUPS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS_PER_TASK)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS_PER_TASK), z.acts, B, out, N);
@@ -1101,13 +1118,6 @@ constexpr int TILE = 4;  // rows of x per pair of blocks read
 // ---- the packed layout (pack_row8): a group of 8 blocks of one row, register k's lane i its block i, so eight
 // dot products leave each block's integer sum in its lane, with no horizontal adds.
 
-// Chunk k of blocks b..b+3 of x (16 bytes at lo) and, with `two`, of b+4..b+7 (at hi): lane i, block b + i.
-ROAD_FN __m256i chunk8(const int8_t* lo, const int8_t* hi, bool two) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(a), two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi))
-                                                                : _mm_setzero_si128(), 1);
-}
-
 // The group of n blocks (FULL: 8) from block b of a packed row at p against R rows of x (from row r0), into
 // acc[2r + H] (blocks b..b+7 are lanes 0..7 of the row's first or second eight sums: H = (b % 16) / 8).
 template <Fmt F, int R, bool FULL, int H>
@@ -1142,15 +1152,14 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
     dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
     mw = F == Fmt::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * n))) : dw;
   }
-  const bool two = FULL || n > 4;  // a short group's second quad of x may not exist
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) {
-    const int8_t* qx = a.qi + (r0 + r) * a.kq + (b / 4) * QUAD;
+    const int8_t* qx = a.qi + (r0 + r) * a.kq + (b / 8) * 2 * QUAD;  // its pair of quads (pair_quads)
     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int k = 0; k < 4; ++k) {
-      const __m256i xl = chunk8(qx + 16 * k, qx + QUAD + 16 * k, two);
-      const __m256i xh = chunk8(qx + 64 + 16 * k, qx + QUAD + 64 + 16 * k, two);
+      const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 32 * k));
+      const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + 128 + 32 * k));
       if constexpr (F == Fmt::Q8_0 && !FLIP) {
         s0 = dot(s0, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xl, w[k]));
         s1 = dot(s1, _mm256_abs_epi8(w[4 + k]), _mm256_sign_epi8(xh, w[4 + k]));
