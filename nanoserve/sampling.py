@@ -263,9 +263,10 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
     x = logits.float() if len(rest) == R else logits[rest].float()  # (r, V); masks and penalties write in a copy
     if x is logits and (masks or any(rows[i].params.penalized for i in rest)):
         x = x.clone()
+    if masks:  # every masked row in one pass (a row without a mask allows every token)
+        everything = torch.full_like(next(iter(masks.values())), -1)
+        apply_bitmask_(x, torch.stack([masks.get(i, everything) for i in rest]), compiled)
     for j, i in enumerate(rest):
-        if i in masks:
-            apply_bitmask_(x[j:j + 1], masks[i][None], compiled)
         if rows[i].params.penalized:
             _penalize_all(x[j], rows[i].params, seen[i] if seen else (), generated[i] if generated else ())
     ok = torch.isfinite(x.amax(-1))  # (r,): some token is allowed and nothing is NaN

@@ -85,6 +85,9 @@ def test_a_mask_in_the_batched_sampler_confines_its_row_alone():
     assert out[:2] == [36, 36] and out[2] == int(logits[2].argmax())
     nothing = torch.zeros(words(V), dtype=torch.int32)
     assert sample(logits, rows, masks={1: nothing})[1] == INVALID  # no token allowed: this row fails alone
+    fresh = lambda: [RowSampler(greedy), RowSampler(SamplingParams(temperature=0.9, seed=1)), RowSampler(greedy)]
+    alone, beside = sample(logits, fresh()), sample(logits, fresh(), masks={0: mask})
+    assert beside[0] == 36 and beside[1:] == alone[1:]  # a sampled row beside a masked one draws as it would alone
 
 
 @pytest.fixture(scope="module")
