@@ -37,6 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import loader
     from .bench import (
         arrivals,
         attention,
@@ -60,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                  + __doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="<command>")
     g = sub.add_parser("generate", help="complete a prompt")
-    g.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
+    loader.add_cli_arguments(g)
     g.add_argument("--prompt", required=True, help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-tokens", type=int, default=128)
@@ -73,14 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
-                   help="the folder's fp32 safetensors, or the GGUF's own blocks (Day 25)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                   help="bfloat16: the folder's matrices and the K/V cache in bf16 (faster, not exact)")
-    g.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
-                   help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
-                   help="bfloat16: the K/V cache in bf16 whatever the weights (half a long context's bytes; not exact)")
     g.add_argument("--speculative-tokens", type=int, default=0,
                    help="prompt-lookup speculative decoding with this many draft tokens (greedy only; 0: off)")
     fetch.add_arguments(sub.add_parser("fetch", help="fetch + convert the model (idempotent)"))
@@ -135,7 +128,7 @@ def generate(args: argparse.Namespace) -> int:
 
     from .config import generation_defaults
     from .generate import stream_generate
-    from .loader import load
+    from .loader import from_cli
     from .model.fetch import ensure_model
     from .sampling import SamplingParams
 
@@ -150,8 +143,7 @@ def generate(args: argparse.Namespace) -> int:
             chosen["temperature"] = 0.0
         params = SamplingParams(**{**generation_defaults(folder), **chosen}, seed=args.seed,
                                 max_tokens=args.max_tokens, stop=args.stop)
-        model, tok = load(folder, dtype=args.dtype, weights=args.weights, activations=args.activations,
-                          kv_cache_dtype=args.kv_cache_dtype)
+        model, tok = from_cli(args)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"nanoserve: error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -15,6 +16,35 @@ WEIGHTS = ("fp32", "gguf")
 ACTIVATIONS = ("fp32", "int8")
 KV_CACHE_DTYPES = ("auto", "bfloat16")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: bool = False) -> None:
+    """`load`'s options as flags, one set for `generate`, `serve` and the benches (`weights`: --weights' default;
+    `gguf`: a --gguf file may be named)."""
+    ap.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
+    ap.add_argument("--weights", choices=WEIGHTS, default=weights,
+                    help=f"fp32: the folder's safetensors; gguf: the GGUF's own blocks (default: {weights})")
+    if gguf:
+        ap.add_argument("--gguf", help="with --weights gguf: the GGUF file (default: the fetched one)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="bfloat16: the folder's matrices and the K/V cache in bf16 (faster, not exact)")
+    ap.add_argument("--activations", choices=ACTIVATIONS, default="fp32",
+                    help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
+    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                    help="bfloat16: the K/V cache in bf16 whatever the weights (half its bytes; not exact)")
+
+
+def from_cli(args: argparse.Namespace) -> tuple[Llama, Tokenizer]:
+    """`load` as `add_cli_arguments`' flags ask."""
+    return load(args.model, dtype=args.dtype, weights=args.weights, gguf=getattr(args, "gguf", None),
+                activations=args.activations, kv_cache_dtype=args.kv_cache_dtype)
+
+
+def cli_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that load the same model in another process (a `serve` a bench starts)."""
+    out = ["--weights", args.weights, "--dtype", args.dtype, "--activations", args.activations,
+           "--kv-cache-dtype", args.kv_cache_dtype]
+    return out + (["--model", str(args.model)] if args.model else [])
 
 
 def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:

@@ -92,3 +92,17 @@ def test_every_command_has_help(args, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([*args, "--help"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: nanoserve")
+
+
+def test_a_bench_hands_its_server_the_same_model_flags():
+    """`bench arrivals` starts `serve` with `loader.cli_argv`: the server must load the model the bench was asked
+    for (its numbers format included), or a comparison would measure another model than it names."""
+    from nanoserve import loader
+
+    fields = ("model", "weights", "dtype", "activations", "kv_cache_dtype")
+    for asked in (["--weights", "gguf", "--activations", "int8", "--kv-cache-dtype", "bfloat16", "--model", "/m"],
+                  ["--dtype", "bfloat16"], []):
+        bench = build_parser().parse_args(["bench", "arrivals", *asked])
+        serve = build_parser().parse_args(["serve", *loader.cli_argv(bench)])
+        assert {f: getattr(serve, f) for f in fields} == {f: getattr(bench, f) for f in fields}
+    assert build_parser().parse_args(["bench", "shared"]).weights == "gguf"  # each bench keeps its own default

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import loader
 from ..config import EngineConfig, nanoserve_home
 from ..engine import LLMEngine
 from ..model import Llama
@@ -250,14 +251,15 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     extra = dict(slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), requests=args.requests, burstiness=args.burstiness,
                  scheduler=dict(max_num_seqs=config.scheduler.max_num_seqs,
                                 max_num_batched_tokens=config.scheduler.max_num_batched_tokens),
-                 weights=args.weights)
+                 weights=args.weights, dtype=args.dtype, activations=args.activations,
+                 kv_cache_dtype=args.kv_cache_dtype)
     if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
         extra["transformers"] = importlib.metadata.version("transformers")
     if "llama-server" in systems:
         extra["llama_server"] = llama_server_version(llama_server_path())
     meta = csv_header(argv, **extra)
-    server_options = engine_argv(args) + ["--weights", args.weights] + (["--threads", str(args.threads)]
-                                                                        if args.threads else [])
+    server_options = engine_argv(args) + loader.cli_argv(args) + (["--threads", str(args.threads)]
+                                                                  if args.threads else [])
     replays: list[Replay] = []
     for system in systems:
         if replays:  # what is done so far is kept, should a later system fail or be stopped

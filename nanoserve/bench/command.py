@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from .. import loader
 from ..config import EngineConfig, SchedulerConfig
-from ..loader import load
 from ..model import Llama
 from ..tokenizer import Tokenizer
 from .machine import machine_line
@@ -29,14 +29,17 @@ SHARED: dict[str, dict[str, Any]] = {  # options more than one command takes, ea
     "rates": dict(type=float, nargs="+", help="arrival rates (requests/s; inf: all at once)"),
     "seed": dict(type=int, help="the workload's seed"),
     "model": dict(help="HF checkpoint folder (default: the fetched SmolLM2)"),
-    "weights": dict(choices=["fp32", "gguf"], help="what nanoserve loads: the folder's fp32, or the GGUF's blocks"),
 }
 
 
-def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False, **shared: Any) -> None:
-    """--out, --threads, each SHARED option in `shared` with that default, and with `engine` EngineConfig's."""
+def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False, weights: str | None = None,
+                     **shared: Any) -> None:
+    """--out, --threads, each SHARED option in `shared` with that default, with `weights` `load`'s flags (that
+    --weights default), and with `engine` EngineConfig's."""
     ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
+    if weights is not None:
+        loader.add_cli_arguments(ap, weights)
     for name, default in shared.items():
         ap.add_argument(f"--{name.replace('_', '-')}", default=default, **SHARED[name])
     if engine:
@@ -48,7 +51,7 @@ _started: dict[str, str] = {}  # the machine line as `start` saw it, before the 
 
 def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenizer] | None:
     """Set torch's threads if asked, note the machine and its load before the run, warn when other work shares
-    the machine, and with `model` load the model (`--model`, `--weights` where the command has them)."""
+    the machine, and with `model` load the model (as `load`'s flags ask, where the command has them)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     _started["machine"] = machine_line()
@@ -57,7 +60,7 @@ def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenize
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
               "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
     if model:
-        return load(getattr(args, "model", None), weights=getattr(args, "weights", "fp32"))
+        return loader.from_cli(args) if hasattr(args, "activations") else loader.load(getattr(args, "model", None))
     return None
 
 

@@ -12,6 +12,7 @@ import asyncio
 import time
 from pathlib import Path
 
+from .. import loader
 from ..config import EngineConfig, generation_defaults
 from ..engine import LLMEngine
 from ..tokenizer import Tokenizer
@@ -20,16 +21,7 @@ from .limits import ServerConfig, TimedH11Protocol
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
-    ap.add_argument("--weights", choices=["fp32", "gguf"], default="fp32",
-                    help="fp32: the folder's safetensors; gguf: the GGUF's own blocks (as LLM(weights=...))")
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                    help="bfloat16: the folder's matrices and the K/V cache in bf16 (as LLM(dtype=...); not exact)")
-    ap.add_argument("--gguf", help="with --weights gguf: the GGUF file (default: the fetched one)")
-    ap.add_argument("--activations", choices=["fp32", "int8"], default="fp32",
-                    help="int8: with --weights gguf, products on int8-rounded activations (as LLM(activations=...))")
-    ap.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16"], default="auto",
-                    help="bfloat16: the K/V cache in bf16 whatever the weights (as LLM(kv_cache_dtype=...); not exact)")
+    loader.add_cli_arguments(ap, gguf=True)  # as LLM(weights=..., dtype=..., activations=..., kv_cache_dtype=...)
     ap.add_argument("--served-model-name", help="the name clients use (default: the folder's name)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     ap.add_argument("--port", type=int, default=8000)
@@ -65,13 +57,11 @@ def run(args: argparse.Namespace) -> int:
     in flight get --shutdown-timeout to finish), then exits 0; a second signal stops at once."""
     import signal
 
-    from ..loader import load
     from ..model.fetch import ensure_model
     from .app import build_app
 
     folder = Path(args.model) if args.model else ensure_model()
-    model, tok = load(folder, dtype=args.dtype, weights=args.weights, gguf=args.gguf, activations=args.activations,
-                      kv_cache_dtype=args.kv_cache_dtype)
+    model, tok = loader.from_cli(args)
     name = args.served_model_name or folder.name
     engine = make_engine(model, tok, args)
     async_engine = AsyncEngine(engine, own_thread=False)
