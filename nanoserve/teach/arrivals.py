@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 
 COLORS = {"nanoserve-engine": "tab:blue", "nanoserve-server": "tab:green", "transformers-cb": "tab:orange",
-          "transformers-serve": "tab:red"}
+          "transformers-serve": "tab:red", "llama-server": "tab:purple"}
 
 
 def draw_trace(ax, times: Sequence[float], title: str = "") -> None:
