@@ -40,6 +40,7 @@ def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = 
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     if weights is not None:
         loader.add_cli_arguments(ap, weights)
+        ap.set_defaults(load_flags=True)  # what `start` loads by
     for name, default in shared.items():
         ap.add_argument(f"--{name.replace('_', '-')}", default=default, **SHARED[name])
     if engine:
@@ -59,9 +60,9 @@ def start(args: argparse.Namespace, model: bool = True) -> tuple[Llama, Tokenize
     if busy > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {busy:.1f} on {os.cpu_count()} cores: other work shares this machine, so "
               "absolute numbers will be low and noisy (same-run ratios less so)", file=sys.stderr)
-    if model:
-        return loader.from_cli(args) if hasattr(args, "activations") else loader.load(getattr(args, "model", None))
-    return None
+    if not model:
+        return None
+    return loader.from_cli(args) if getattr(args, "load_flags", False) else loader.load(getattr(args, "model", None))
 
 
 def engine_config(config: EngineConfig | SchedulerConfig | argparse.Namespace | None = None) -> EngineConfig:

@@ -80,3 +80,21 @@ def test_table_aligns_columns_and_report_prints_header_table_and_path(capsys):
     assert table(rows, ["n"]).splitlines() == [" n", "30", " 5"]
     assert report("x.csv", {"command": "c"}, rows[:1], ["impl"]) == 0
     assert capsys.readouterr().out.splitlines() == ["command: c", "  impl", "kernel", "-> x.csv"]
+
+
+def test_start_loads_the_model_the_commands_flags_ask_for(monkeypatch):
+    """`load`'s flags where a command takes them (bench arrivals: the format its server and engine run); bench
+    decode's own --activations chooses which models it times beside fp32, and `start` loads fp32 for it."""
+    from nanoserve import loader
+
+    calls = []
+    monkeypatch.setattr(loader, "load", lambda *a, **k: calls.append((a, k)) or ("model", "tok"))
+    asked = {"weights": "gguf", "activations": "int8", "kv_cache_dtype": "bfloat16"}
+    for argv, want in ((["bench", "decode", "--activations", "int8"], {}),
+                       (["bench", "arrivals", "--weights", "gguf", "--activations", "int8", "--kv-cache-dtype",
+                         "bfloat16"], asked)):
+        calls.clear()
+        assert start(build_parser().parse_args(argv)) == ("model", "tok")
+        [(args, kwargs)] = calls
+        assert args in ((None,), ()) and {k: kwargs[k] for k in want} == want
+        assert kwargs.get("weights", "fp32") == want.get("weights", "fp32")
