@@ -121,7 +121,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--windows", type=int, default=4, help="windows of held-out text for error and perplexity")
     common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], batch_sizes=[1, 8, 32], steps=24,
-                     repeats=3, requests=40, rates=[4.0, 8.0], seed=0)
+                     repeats=3, requests=40, rates=[4.0, 8.0, 16.0], seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
