@@ -121,15 +121,24 @@ def run_requests(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Se
 
 
 def decode_steps(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams]) -> list:
-    """The requests run to the end, all at once; the StepRecords of the decode steps every one of them is in."""
-    run_requests(engine, prompts, params)
-    return [r for r in engine.history if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    """The requests run to the end, all at once (an idle engine); for each decode step every one of them is in,
+    the `step()` call's whole time (its StepRecord's `total_s` leaves out the call's entry and exit) and its
+    StepRecord."""
+    ids, walls = [engine.add_request(p, sp) for p, sp in zip(prompts, params)], []
+    while engine.has_unfinished_requests():
+        t0 = engine.clock()
+        engine.step()
+        walls.append(engine.clock() - t0)
+    for i in ids:
+        engine.requests.pop(i)
+    return [(w, r) for w, r in zip(walls, list(engine.history)[-len(walls):])
+            if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
 
 
 def median_decode_step(engine: LLMEngine, prompts: Sequence[Sequence[int]], params: Sequence[SamplingParams],
                        ) -> tuple[float, float]:
-    """Over `decode_steps`, the median step and the median of its part after the forward (s)."""
-    steps = decode_steps(engine, prompts, params)
+    """Over `decode_steps`, the median step (its StepRecord's) and the median of its part after the forward (s)."""
+    steps = [r for _, r in decode_steps(engine, prompts, params)]
     return statistics.median(r.total_s for r in steps), statistics.median(r.sample_s for r in steps)
 
 

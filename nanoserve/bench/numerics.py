@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,7 +31,7 @@ from ..tokenizer import Tokenizer
 from .arrivals import replay_engine
 from .command import common_arguments, csv_header, report, start
 from .csvio import beside, write_csv
-from .harness import greedy, ragged_workload, run_requests
+from .harness import decode_steps, greedy, ragged_workload, run_requests
 from .roofline import measure_bandwidth
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import interleaved, rounds
@@ -102,16 +101,7 @@ def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], ste
     """Decode tok/s of len(prompts) requests stepping together in the engine (the median decode step, each
     `step()` call timed whole, as the loop that drives it sees it), and the bytes per second the step reads: every
     weight once, each request's K/V over its context (the median step's)."""
-    engine = LLMEngine(model, tok, max_num_seqs=len(prompts))
-    for p in prompts:
-        engine.add_request(p, greedy(steps))
-    walls = []
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
-    recs = [(w, r) for w, r in zip(walls, engine.history)  # the steps every request decodes in
-            if r.num_prefill_tokens == 0 and r.num_requests == len(prompts)]
+    recs = decode_steps(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
     step_s = statistics.median(w for w, _ in recs)
     kv = kv_bytes_per_token(model.cfg, model.kv_dtype.itemsize)
     read = statistics.median(model.weight_bytes() + kv * sum(s + n for _, s, n in r.scheduled) for _, r in recs)
