@@ -230,9 +230,10 @@ class SchedulerConfig:
     max_num_seqs: int = 32  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens one step computes: decode tokens and prompt chunks together
     chunked_prefill: bool = True  # a prompt larger than the budget left is split across steps
+    num_scheduler_steps: int = 1  # forwards one step may run while every running request decodes greedily
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             _positive_int("SchedulerConfig", name, getattr(self, name))
 
 
@@ -288,10 +289,14 @@ class EngineConfig:
     KEYWORDS = {"block_size": "cache", "kv_cache_bytes": "cache", "num_blocks": "cache",
                 "enable_prefix_caching": ("cache", "prefix_caching"), "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
+                "num_scheduler_steps": "scheduler",
                 "speculative_config": "speculative", "batch_invariant": "", "kernels": "", "threads": ""}
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.of(self.speculative)
+        if self.speculative is not None and self.scheduler.num_scheduler_steps > 1:
+            raise ValueError("speculative decoding and num_scheduler_steps > 1 both run several tokens per step: "
+                             "choose one")
         if self.threads is not None and self.threads != "auto":
             _positive_int("EngineConfig", "threads", self.threads)
         for name in ("history_kept", "finished_kept"):
@@ -323,6 +328,8 @@ class EngineConfig:
         ap.add_argument("--no-prefix-caching", action="store_true", help="never share full blocks across requests")
         ap.add_argument("--speculative-tokens", type=int, default=0,
                         help="prompt-lookup speculative decoding with this many draft tokens (0: off)")
+        ap.add_argument("--num-scheduler-steps", type=int, default=s.num_scheduler_steps,
+                        help="decode forwards one step runs while every running request decodes greedily")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
@@ -330,4 +337,5 @@ class EngineConfig:
             if getattr(args, "speculative_tokens", 0) else None
         return cls.from_kwargs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec)
+                               enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
+                               num_scheduler_steps=getattr(args, "num_scheduler_steps", 1))

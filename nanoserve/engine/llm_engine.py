@@ -13,7 +13,9 @@ model runner computes every scheduled chunk in one forward (whole prompts, chunk
 tokens and speculative drafts side by side), one sampler call chooses a token for every sequence
 whose chunk reached its last token (`sampling.sample`), and the scheduler does the bookkeeping
 (`Scheduler.update_from_output`). With speculative decoding on, each greedy sequence then drafts its
-next tokens by prompt lookup (`engine.spec`), to be verified in the next step.
+next tokens by prompt lookup (`engine.spec`), to be verified in the next step. With `num_scheduler_steps`
+= k > 1, a step in which every running sequence decodes greedily and no one waits runs up to k forwards,
+each fed the last one's argmax, in one call (`ModelRunner.decode`): the host's work once per k tokens.
 
 The runner is batch-invariant, so a sequence's logits, and so its tokens, do not depend on what
 shares its steps (up to how its prompt was chunked, a rounding-level difference).
@@ -63,6 +65,7 @@ class StepRecord:
     scheduled: tuple[tuple[str, int, int], ...] = ()  # (sequence id, first token, tokens) per chunk
     num_draft_tokens: int = 0  # speculative drafts verified this step
     num_accepted_tokens: int = 0  # ... and accepted
+    num_steps: int = 1  # forwards run (num_scheduler_steps: several decode forwards in one call)
 
     @property
     def total_s(self) -> float:
@@ -226,12 +229,19 @@ class LLMEngine:
         t0 = self.clock()
         plan = self.scheduler.schedule(self.steps)
         t1 = self.clock()
-        outputs, t2, prep, accepted = [], t1, 0.0, 0
+        outputs, t2, prep, accepted, forwards = [], t1, 0.0, 0, 1
         if plan.chunks:
             chunks = [Chunk(c.token_ids, c.start, c.request.table.blocks) for c in plan.chunks]
-            logits = self.runner.execute(chunks, plan.copies, [c.num_logits for c in plan.chunks])
-            t2, prep = self.clock(), self.runner.last_prepare_s
-            sampled, logprobs = self._sample(plan, logits)
+            if plan.num_steps > 1:  # greedy decodes only: each forward's argmax is the next one's input
+                stops = [c.request.stopper.stop_ids for c in plan.chunks]
+                tokens = self.runner.decode(chunks, plan.copies, plan.num_steps, stops).T.tolist()
+                forwards = len(tokens[0])  # fewer than planned where every request met a stop token
+                t2, prep = self.clock(), self.runner.last_prepare_s
+                sampled, logprobs = {c.request: t for c, t in zip(plan.chunks, tokens)}, {}
+            else:
+                logits = self.runner.execute(chunks, plan.copies, [c.num_logits for c in plan.chunks])
+                t2, prep = self.clock(), self.runner.last_prepare_s
+                sampled, logprobs = self._sample(plan, logits)
             accepted = sum(len(sampled[c.request]) - 1 for c in plan.chunks if c.num_drafts and c.request in sampled)
             outputs = self.scheduler.update_from_output(plan, sampled, t2, self.steps, logprobs)
             self._retire()
@@ -242,7 +252,7 @@ class LLMEngine:
             self.steps, len(plan.chunks), plan.num_decode_tokens, plan.num_tokens - plan.num_decode_tokens,
             len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep, t3 - t2,
             tuple((c.request.seq_id, c.start, c.num_tokens) for c in plan.chunks), plan.num_draft_tokens,
-            accepted))
+            accepted, forwards))
         self.steps += 1
         return outputs
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from array import array
+from collections.abc import Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from ..kv.storage import KVStorage
 from ..model import Llama
 from ..model.compiled import BlockStep, applies
 from ..model.matmul import forward_rows
+from ..sampling import argmax_rows
 
 
 class ModelRunner:
@@ -84,6 +86,39 @@ class ModelRunner:
         if len(h) == 1 and len(ids) > 1:  # one row of a step of several: the head runs the batch's product
             return self.model.logits(F.pad(h, (0, 0, 0, 1)), self.kernels)[:1]  # kernel, as in any batch
         return self.model.logits(h, self.kernels)
+
+    @torch.inference_mode()
+    def decode(self, chunks: Sequence[Chunk], copies: Sequence[tuple[int, int]], steps: int,
+               stop_ids: Sequence[Collection[int]] = ()) -> Tensor:
+        """Up to `steps` decode steps of the chunks' requests, each one token whose table already holds a slot for
+        every step's token; each step's input is the argmax of the step before, and the steps end once every
+        request has chosen one of its `stop_ids`. Returns the tokens (steps run, R), as that many `execute` calls,
+        each given the last one's argmax, would choose them. On the compiled step it is one call: none of the
+        host's work runs between its steps."""
+        if any(len(c.token_ids) != 1 for c in chunks):
+            raise ValueError("decode takes one token per request")
+        t0 = time.perf_counter()
+        self.storage.copy_blocks(copies)
+        stops = [sorted(s) for s in stop_ids] if stop_ids else [[] for _ in chunks]
+        if self.block_step is not None and self.attention == "compiled":
+            R, W, S = len(chunks), max(len(c.block_table) for c in chunks), max(map(len, stops))
+            pad = lambda xs, n: [*xs, *[-1] * (n - len(xs))]  # noqa: E731
+            flat = torch.frombuffer(array("q", [c.token_ids[0] for c in chunks] + [c.num_computed for c in chunks]
+                                          + [b for c in chunks for b in pad(c.block_table, W)]
+                                          + [i for s in stops for i in pad(s, S)]), dtype=torch.int64)
+            ids, positions, tables, stop = flat.split([R, R, R * W, R * S])
+            self.last_prepare_s = time.perf_counter() - t0
+            return self.block_step.decode(ids, positions, tables.view(R, W), stop.view(R, S), self.storage, steps)
+        out, ids, done = [], [c.token_ids[0] for c in chunks], [False] * len(chunks)
+        for s in range(steps):
+            logits = self.execute([Chunk([t], c.num_computed + s, c.block_table) for t, c in zip(ids, chunks)])
+            best = self.last_argmax if self.last_argmax is not None else argmax_rows(logits, self.kernels)
+            ids = best.tolist()
+            out.append(best)
+            done = [d or t in stop for d, t, stop in zip(done, ids, stops)]
+            if all(done):
+                break
+        return torch.stack(out)
 
 
 def logit_rows(md: AttentionMetadata, num_logits: Sequence[int]) -> Tensor:

@@ -69,12 +69,14 @@ class ScheduledChunk:
 @dataclass
 class SchedulerOutput:
     """One step's plan: the chunks to compute (running requests first), the block copies the storage
-    makes before the forward, and who was admitted and preempted."""
+    makes before the forward, and who was admitted and preempted. `num_steps` > 1: every chunk is one
+    decode token, and the step runs that many forwards, each one's argmax the next one's input."""
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    num_steps: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -150,7 +152,28 @@ class Scheduler:
             if not self._admit(req, budget, out, step):
                 break
             budget -= out.chunks[-1].num_tokens
+        if self.config.num_scheduler_steps > 1:
+            self._look_ahead(out)
         return out
+
+    def _look_ahead(self, out: SchedulerOutput) -> None:
+        """Multi-step decoding (vLLM V0's `num_scheduler_steps`): when no one waits and every chunk is a decode
+        token of a request that takes the argmax as it comes (no penalties, grammar or log-probabilities), the
+        step runs up to num_scheduler_steps forwards in one call, and this gives each request slots for the
+        tokens after its first. Never past a request's last token, nor into blocks the pool does not have;
+        tokens after a stop are dropped by the bookkeeping, with the request's blocks."""
+        plain = lambda c: (c.is_decode and c.completes and not c.num_drafts  # noqa: E731
+                           and c.request.params.plain_greedy and c.request.params.logprobs is None)
+        if self.waiting or not out.chunks or not all(map(plain, out.chunks)):
+            return
+        k = min(self.config.num_scheduler_steps,
+                *(c.request.max_new_tokens - c.request.num_output_tokens for c in out.chunks))
+        need = sum(self.manager.blocks_to_append(c.request.table, k - 1) for c in out.chunks)
+        if k < 2 or need > self.manager.pool.num_free:
+            return
+        for c in out.chunks:  # placeholders: the bookkeeping names these slots' tokens once they are chosen
+            out.copies.extend(self.manager.append_slots(c.request.table, [INVALID] * (k - 1))[1])
+        out.num_steps = k
 
     def _admit(self, req: Request, budget: int, out: SchedulerOutput, step: int) -> bool:
         """Give the head of the queue its cached prefix and a first chunk, if blocks and budget allow."""
@@ -209,6 +232,11 @@ class Scheduler:
             req = c.request
             req.num_computed_tokens += c.num_tokens
             tokens = sampled.get(req)
+            if plan.num_steps > 1:  # the step's later forwards computed the tokens it chose before its last
+                ran = len(tokens)  # fewer than planned where every request met a stop token early
+                req.num_computed_tokens += ran - 1
+                self.manager.truncate(req.table, req.num_computed_tokens)  # the slots of forwards not run
+                req.table.token_ids[req.num_computed_tokens - ran + 1:] = tokens[:-1]
             if c.num_drafts:
                 accepted = len(tokens) - 1 if tokens and tokens[0] != INVALID else 0
                 req.num_computed_tokens -= c.num_drafts - accepted

@@ -107,3 +107,14 @@ class BlockStep:
             md.seq_lens, md.block_tables, md.last_rows[:1] if empty else rows, self.model.cfg.head_dim ** -0.5,
             kernels.SPLIT_KEYS if split_keys is None else split_keys)
         return (logits[:0], best[:0]) if empty else (logits, best)
+
+    def decode(self, ids: Tensor, positions: Tensor, block_tables: Tensor, stop_ids: Tensor, storage,
+               steps: int) -> Tensor:
+        """Up to `steps` decode steps in one call (`BlockModel::decode`): ids, positions (R,) the first step's tokens,
+        one per request, block_tables (R, W) already holding a slot for every step's token, stop_ids (R, S) each
+        request's stop tokens (-1 pads); each step's input is the argmax of the one before, and the steps end once
+        every request has chosen a stop token. Returns the tokens (steps run, R) that many calls of this step, each
+        given the last one's argmax, would choose, bit for bit."""
+        cos, sin = self.model.rope_tables(int(positions.max()) + steps - 1)
+        return self.compiled.decode(steps, ids, positions, cos, sin, storage.k, storage.v, block_tables, stop_ids,
+                                    self.model.cfg.head_dim ** -0.5, kernels.SPLIT_KEYS)[0]

@@ -156,19 +156,22 @@ def workloads(draw):
                          arrival=draw(st.integers(0, 6)), abort=draw(st.one_of(st.none(), st.integers(0, 12)))))
     need = max(-(-(len(r["prompt"]) + r["max_tokens"]) // block_size) for r in reqs)
     num_blocks = need + draw(st.integers(0, 2 * need))  # at the low end, only one request fits: preemption
-    config = SchedulerConfig(max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 48)))
+    config = SchedulerConfig(max_num_seqs=draw(st.integers(1, 6)), max_num_batched_tokens=draw(st.integers(1, 48)),
+                             num_scheduler_steps=draw(st.sampled_from([1, 3, 8])))
     return block_size, num_blocks, config, draw(st.booleans()), reqs
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workloads())
 def test_property_random_workloads(tiny_model, workload):
-    """Arrivals, aborts, tiny pools (preemption), small budgets (chunking), shared prefixes: every request ends
-    once with the right reason, the pool is whole again, and greedy tokens are each request's solo run's."""
+    """Arrivals, aborts, tiny pools (preemption), small budgets (chunking), shared prefixes, several decode forwards
+    per step: every request ends once with the right reason, the pool is whole again, and greedy tokens are each
+    request's solo run's."""
     block_size, num_blocks, config, prefix_caching, reqs = workload
     engine = LLMEngine(tiny_model, config=EngineConfig.from_kwargs(
         num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=prefix_caching,
-        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens))
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        num_scheduler_steps=config.num_scheduler_steps))
     ids: dict[int, str] = {}
 
     def on_step(step):
@@ -259,6 +262,62 @@ def test_speculative_drafts_change_no_greedy_token(tiny_model, k):
     accepted = sum(r.num_accepted_tokens for r in spec.history)
     assert drafted > 0 and 0 < accepted <= drafted
     assert len(spec.history) < len(plain.history)  # accepted drafts save steps
+
+
+@pytest.fixture(params=["torch's forward", "compiled step"])
+def stepped(request, tiny_cfg):
+    """A model whose multi-step decodes loop over the runner's steps (the tiny model on torch's forward), and one
+    whose decodes are one compiled call (on int8 blocks)."""
+    if request.param == "torch's forward":
+        return request.getfixturevalue("tiny_model")
+    request.getfixturevalue("compiled")
+    from nanoserve.model import Llama
+    from nanoserve.model.gguf_weights import to_blocks
+    return to_blocks(Llama.random(tiny_cfg, seed=3), activations="int8")
+
+
+def test_several_decode_forwards_per_step_change_no_token(stepped):
+    """num_scheduler_steps=5: while every running request decodes greedily and no one waits, a step runs up to
+    5 forwards. Every request gets the tokens and the end it gets one forward per step (a stop token inside a
+    step's run ends it there), a waiting or sampled request gets single steps until it is in or gone, the tokens
+    chosen inside a step are named in their blocks for prefix caching, and every block comes back."""
+    prompts = [list(range(10, 31)), [5, 6, 7], list(range(60, 69))]
+    got, engines = [], []
+    for k in (1, 5):
+        engine = LLMEngine(stepped, num_blocks=48, block_size=4, num_scheduler_steps=k)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=m, **GREEDY)) for p, m in zip(prompts, (23, 9, 17))]
+
+        def arrive(step, engine=engine, ids=ids):
+            if step == 3:
+                ids.append(engine.add_request([8, 9], SamplingParams(max_tokens=7, **GREEDY)))
+            if step == 6:
+                ids.append(engine.add_request([3, 4, 5], SamplingParams(temperature=0.9, seed=5, max_tokens=6)))
+        out = drain(engine, on_step=arrive)
+        got.append([(out[i], engine.requests[i].finish_reason) for i in ids])
+        engines.append((engine, ids))
+        engine.check_idle()
+    assert got[0] == got[1]
+    single, (multi, ids) = engines[0][0], engines[1]
+    assert max(r.num_steps for r in multi.history) == 5 and len(multi.history) < len(single.history)
+    sampled = multi.requests[ids[-1]].seq_id
+    assert all(r.num_steps == 1 for r in multi.history if any(s == sampled for s, _, _ in r.scheduled))
+    # a stop token met inside a step's run ends the request there, with reason stop, and no forward runs after it
+    stop = got[0][0][0][7]
+    for engine in (single, multi):
+        before = len(engine.history)
+        rid = engine.add_request(prompts[0], SamplingParams(max_tokens=23, stop_token_ids=[stop], **GREEDY))
+        out = drain(engine)[rid]
+        assert out == got[0][0][0][:got[0][0][0].index(stop) + 1] and engine.requests[rid].finish_reason.value == "stop"
+        assert sum(r.num_steps for r in list(engine.history)[before:]) == len(out)
+    # a prompt that repeats a finished request's prompt and output finds the blocks its steps filled
+    follow = prompts[0] + got[0][0][0][:-1]
+    cached = []
+    for engine in (single, multi):
+        rid = engine.add_request(follow, SamplingParams(max_tokens=4, **GREEDY))
+        assert drain(engine)[rid] == solo(stepped, follow, 4)
+        cached.append(engine.requests[rid].num_cached_tokens)
+        engine.check_idle()
+    assert cached[0] == cached[1] >= len(follow) - 4
 
 
 def test_a_row_that_cannot_be_sampled_fails_its_request_alone(tiny_model, monkeypatch):

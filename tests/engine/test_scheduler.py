@@ -152,3 +152,40 @@ def test_a_requests_token_slice_is_the_slice_of_all_its_tokens():
     for start in range(len(everything) + 1):
         for stop in range(start, len(everything) + 1):
             assert r.token_ids(start, stop) == everything[start:stop], (start, stop)
+
+
+def test_several_decode_forwards_are_planned_only_where_every_slot_fits():
+    """num_scheduler_steps: a step of greedy decodes gets slots for up to k tokens each, never past a request's
+    last token; with too few free blocks for them, or a request waiting, the step is one forward, as always."""
+    sched = Scheduler(BlockManager(7, 4, prefix_caching=False), SchedulerConfig(num_scheduler_steps=6))
+    a = Request("a", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=20), 20)
+    b = Request("b", list(range(30, 37)), SamplingParams(temperature=0, max_tokens=4), 4)
+    sched.add(a), sched.add(b)
+    plan = sched.schedule(0)
+    assert plan.num_steps == 1  # the prompts
+    sched.update_from_output(plan, {a: [99], b: [99]}, 0.0)
+    plan = sched.schedule(1)
+    assert plan.num_steps == 3  # b has 3 tokens left to choose
+    assert [c.request.table.num_tokens for c in plan.chunks] == [4 + 3, 7 + 3]
+    sched.update_from_output(plan, {a: [98, 97, 96], b: [98, 97, 96]}, 0.0)
+    assert b.finished and a.table.token_ids[-3:] == [99, 98, 97]  # the step's input, then the tokens it chose
+    assert a.num_computed_tokens == 7 and sched.manager.pool.num_free == 7 - 2
+    plan = sched.schedule(2)
+    assert plan.num_steps == 6 and sched.manager.pool.num_free == 7 - 4
+    sched.update_from_output(plan, {a: [1, 2, 3, 4, 5, 6]}, 0.0)
+    sched.add(request("c", 3, first=50))
+    assert sched.schedule(3).num_steps == 1  # someone waits: it is admitted at once, beside a's one token
+    tight = Scheduler(BlockManager(2, 4, prefix_caching=False), SchedulerConfig(num_scheduler_steps=6))
+    d = request("d", 7, max_new=20)
+    tight.add(d)
+    run_step(tight)
+    assert tight.schedule(1).num_steps == 1 and tight.manager.pool.num_free == 0  # no block for 5 more tokens
+
+
+@pytest.mark.parametrize("bad, why", [(dict(num_scheduler_steps=0), "num_scheduler_steps"),
+                                      (dict(num_scheduler_steps=4, speculative_config={"num_speculative_tokens": 2}),
+                                       "speculative decoding and num_scheduler_steps")])
+def test_bad_multi_step_settings_are_refused_by_name(bad, why):
+    from nanoserve.config import EngineConfig
+    with pytest.raises(ValueError, match=why):
+        EngineConfig.from_kwargs(**bad)

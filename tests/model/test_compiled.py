@@ -272,3 +272,38 @@ def test_the_steps_argmax_takes_the_first_of_tied_logits_across_the_teams_shares
         logits = fast.execute([Chunk(ids, start, t.blocks)])
         first = 100 if logits[0, 100] > 0 else 0
         assert logits[0, 3000] == logits[0, 100] and int(fast.last_argmax[0]) == first == int(logits.argmax(-1)[0])
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_decode_runs_steps_in_one_call_as_step_by_step(tiny_blocks, block_size):
+    """`BlockStep.decode` (multi-step decoding): k decode steps in one call, each fed the last one's argmax, choose
+    the tokens k compiled steps choose one by one, and write the same k/v into the same slots."""
+    manager, fast, _ = runners(tiny_blocks, 200, block_size)
+    _, other, _ = runners(tiny_blocks, 200, block_size)
+    prompts = [list(range(3, 30)), [4, 5], list(range(40, 49))]
+    tables = [manager.new_table() for _ in prompts]
+    for t, p in zip(tables, prompts):
+        manager.append_slots(t, p)
+        for r in (fast, other):
+            r.execute([Chunk(p, 0, t.blocks)])
+    k, first = 6, [7, 8, 9]
+    starts = [t.num_tokens for t in tables]
+    for t, i in zip(tables, first):
+        manager.append_slots(t, [i] * k)  # a slot for each step's token
+    chunks = [Chunk([i], s, t.blocks) for i, s, t in zip(first, starts, tables)]
+    together = fast.decode(chunks, [], k)
+    ids, one_by_one = first, []
+    for s in range(k):
+        other.execute([Chunk([i], st + s, t.blocks) for i, st, t in zip(ids, starts, tables)])
+        ids = other.last_argmax.tolist()
+        one_by_one.append(ids)
+    assert together.tolist() == one_by_one
+    assert torch.equal(fast.storage.k, other.storage.k) and torch.equal(fast.storage.v, other.storage.v)
+    # the steps end once every request has chosen one of its stop tokens
+    stops = [{one_by_one[2][0], 10_000}, {one_by_one[4][1]}, {one_by_one[1][2]}]
+    end = max(next(s for s in range(k) if one_by_one[s][r] in stops[r]) for r in range(3))
+    assert end <= 4 and fast.decode(chunks, [], k, stops).tolist() == one_by_one[:end + 1]
+    assert fast.decode(chunks, [], k, stops[:1] + [set(), {1}]).tolist() == one_by_one  # one runs on
+    with pytest.raises(RuntimeError, match="block_tables: request 0 has no block for position"):
+        fast.decode([Chunk([7], starts[0] + k, tables[0].blocks)], [], 64)
+    assert torch.equal(fast.storage.k, other.storage.k)  # refused before any step ran

@@ -491,3 +491,24 @@ def test_bad_input_is_answered_alone_while_streams_run_beside_it(server, beside,
 def test_405_is_in_openai_shape(server):
     r = server.http.get("/v1/chat/completions")
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_several_decode_forwards_per_step_stream_the_text_generate_gives(model, tok):
+    """A server whose engine runs up to 8 decode forwards per step (`serve --num-scheduler-steps 8`): streamed and
+    whole, greedy chat gives generate's text, and a stop string cuts it where it cuts generate's."""
+    engine = LLMEngine(model, tok, max_num_seqs=4, num_blocks=64, num_scheduler_steps=8)
+    ae = AsyncEngine(engine)
+    messages = [{"role": "user", "content": "Count from one to ten."}]
+    with ServerThread(build_app(ae, tok, NAME, ServerConfig(api_key=KEY))) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0)
+        for stop in (None, ["4."]):
+            alone = generate(model, tok.encode_chat(messages),
+                             SamplingParams(temperature=0, max_tokens=40, stop=stop or []), tok)
+            r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0, stop=stop)
+            assert r.choices[0].message.content == alone.text
+            chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0,
+                                                         stop=stop, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone.text
+        wait_idle(ae)
+    assert max(r.num_steps for r in engine.history) == 8
+    engine.check_idle()

@@ -30,5 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::string>, std::vector<bool>, std::vector<torch::Tensor>, int64_t, int64_t,
                           double, bool>())
-      .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits");
+      .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits")
+      .def("decode", &BlockModel::decode, "decode steps in a row, each step's input the last one's argmax");
 }

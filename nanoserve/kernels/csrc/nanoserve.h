@@ -117,6 +117,11 @@ class BlockModel {
                                                 torch::Tensor slot_mapping, torch::Tensor query_start_loc,
                                                 torch::Tensor seq_lens, torch::Tensor block_tables,
                                                 torch::Tensor last_rows, double scale, int64_t split_keys);
+  std::tuple<torch::Tensor, torch::Tensor> decode(int64_t steps, torch::Tensor ids, torch::Tensor positions,
+                                                  torch::Tensor cos_table, torch::Tensor sin_table,
+                                                  torch::Tensor k_cache, torch::Tensor v_cache,
+                                                  torch::Tensor block_tables, torch::Tensor stop_ids, double scale,
+                                                  int64_t split_keys);
 
  private:
   struct Matrix {

@@ -378,3 +378,57 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
 #endif
   return argmax();
 }
+
+// Up to `steps` decode steps of R requests, one token each, each step's input the argmax of the step before: what
+// that many `step` calls in a row compute, bit for bit, without the host's work between them (the scheduler, the
+// sampler, the bookkeeping: after a step has streamed every weight through the caches, that work runs on cold
+// caches). ids, positions (R,): the first step's tokens and their positions; block_tables (R, W) already holding
+// a slot for every position through positions + steps - 1; stop_ids (R, S): each request's stop tokens (-1 pads).
+// The steps end early once every request has chosen one of its stop tokens. Returns the tokens (steps run, R) and
+// the last step's logits.
+std::tuple<torch::Tensor, torch::Tensor> BlockModel::decode(
+    int64_t steps, torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
+    torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor stop_ids, double scale,
+    int64_t split_keys) {
+  const int64_t R = ids.numel();
+  TORCH_CHECK(steps >= 1, "steps: expected at least 1, got ", steps);
+  check_i64(ids, -1, "ids");
+  check_i64(positions, R, "positions");
+  TORCH_CHECK(k_cache.dim() == 5, "k_cache: expected (layers, blocks, block_size, kv heads, head_dim)");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.size(0) == R &&
+              block_tables.is_contiguous(), "block_tables: expected contiguous int64 (", R, ", W)");
+  TORCH_CHECK(stop_ids.scalar_type() == torch::kInt64 && stop_ids.dim() == 2 && stop_ids.size(0) == R &&
+              stop_ids.is_contiguous(), "stop_ids: expected contiguous int64 (", R, ", S)");
+  const int64_t bs = k_cache.size(2), W = block_tables.size(1), S = stop_ids.size(1);
+  const int64_t* stops = stop_ids.data_ptr<int64_t>();
+  std::vector<bool> stopped(R, false);
+  const int64_t *table = block_tables.data_ptr<int64_t>(), *first = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r)  // refused before any step runs
+    TORCH_CHECK(first[r] >= 0 && (first[r] + steps - 1) / bs < W, "block_tables: request ", r,
+                " has no block for position ", first[r] + steps - 1);
+  const auto i64 = ids.options();
+  torch::Tensor tokens = torch::empty({steps, R}, i64), logits;
+  torch::Tensor starts = torch::arange(R + 1, i64), last = torch::arange(R, i64);
+  torch::Tensor cur = ids;
+  for (int64_t s = 0; s < steps; ++s) {
+    torch::Tensor pos = torch::empty({R}, i64), slot = torch::empty({R}, i64), lens = torch::empty({R}, i64);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t p = first[r] + s;
+      pos.data_ptr<int64_t>()[r] = p;
+      slot.data_ptr<int64_t>()[r] = table[r * W + p / bs] * bs + p % bs;
+      lens.data_ptr<int64_t>()[r] = p + 1;
+    }
+    torch::Tensor best;
+    std::tie(logits, best) = step(cur, pos, cos_table, sin_table, k_cache, v_cache, slot, starts, lens, block_tables,
+                                  last, scale, split_keys);
+    tokens[s].copy_(best);
+    cur = best;
+    bool all = true;
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t j = 0; j < S && !stopped[r]; ++j) stopped[r] = stops[r * S + j] == best.data_ptr<int64_t>()[r];
+      all = all && stopped[r];
+    }
+    if (all) return std::make_tuple(tokens.narrow(0, 0, s + 1), logits);
+  }
+  return std::make_tuple(tokens, logits);
+}
