@@ -8,7 +8,8 @@ perplexity, and greedy agreement over many prompts (where the first divergence f
 speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, the bytes batch 1's
 step reads (every weight once, and the request's K/V over its context, as `step_roofline` counts them) as a
 fraction of the read bandwidth (measured just before and just after each batch-1 decode; the median of each
-decode's fraction), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value,
+decode's fraction), the same decode speeds with several forwards per engine step (`--scheduler-steps`, the
+`multistep_` rows), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value,
 vs_fp32) and one row per greedy prompt (`-greedy.csv`).
 """
 
@@ -97,15 +98,19 @@ def divergences(exact: Llama, prompts: Sequence[list[int]], ref: Sequence[list[i
     return rows
 
 
-def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int) -> tuple[float, float]:
-    """Decode tok/s of len(prompts) requests stepping together in the engine (the median decode step, each
-    `step()` call timed whole, as the loop that drives it sees it), and the bytes per second the step reads: every
-    weight once, each request's K/V over its context (the median step's)."""
-    recs = decode_steps(LLMEngine(model, tok, max_num_seqs=len(prompts)), prompts, [greedy(steps)] * len(prompts))
-    step_s = statistics.median(w for w, _ in recs)
+def decode_speed(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], steps: int,
+                 scheduler_steps: int = 1) -> tuple[float, float]:
+    """Decode tok/s of len(prompts) requests stepping together in the engine (the median decode forward: each
+    `step()` call timed whole, as the loop that drives it sees it, over the forwards it ran), and the bytes per
+    second a forward reads: every weight once, each request's K/V over its context (the median step's mean).
+    `scheduler_steps`: the engine's num_scheduler_steps."""
+    engine = LLMEngine(model, tok, max_num_seqs=len(prompts), num_scheduler_steps=scheduler_steps)
+    recs = decode_steps(engine, prompts, [greedy(steps)] * len(prompts))
+    forward_s = statistics.median(w / r.num_steps for w, r in recs)
     kv = kv_bytes_per_token(model.cfg, model.kv_dtype.itemsize)
-    read = statistics.median(model.weight_bytes() + kv * sum(s + n for _, s, n in r.scheduled) for _, r in recs)
-    return len(prompts) / step_s, read / step_s
+    read = statistics.median(model.weight_bytes() + kv * sum(s + (r.num_steps + 1) / 2 for _, s, _ in r.scheduled)
+                             for _, r in recs)
+    return len(prompts) / forward_s, read / forward_s
 
 
 def around(decode: Callable[[], tuple[float, float]], measure: bool) -> tuple[float, float, float]:
@@ -121,6 +126,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prompts", type=int, default=24, help="greedy prompts compared with fp32")
     ap.add_argument("--new-tokens", type=int, default=48, help="greedy tokens per prompt")
     ap.add_argument("--windows", type=int, default=4, help="windows of held-out text for error and perplexity")
+    ap.add_argument("--scheduler-steps", type=int, default=8,
+                    help="decode speed again with this num_scheduler_steps (the multistep_ rows; 1: none)")
     common_arguments(ap, "data/bench-numerics.csv", contexts=[128, 512, 1024], batch_sizes=[1, 8, 32], steps=24,
                      repeats=3, requests=40, rates=[4.0, 8.0, 16.0], seed=0)
 
@@ -146,20 +153,24 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     with torch.inference_mode():
         for ctx in args.contexts:
             ids = torch.tensor([text[:ctx]])
-            times = interleaved([lambda m=m, ids=ids: m(ids, last_only=True) for m in models.values()], args.repeats)
+            # a prompt takes tens of milliseconds: twice the rounds, so that one slow moment cannot move a median
+            times = interleaved([lambda m=m, ids=ids: m(ids, last_only=True) for m in models.values()],
+                                2 * args.repeats)
             rows += [dict(format=f, measure="prefill_tok_s", size=ctx, value=ctx / statistics.median(t))
                      for f, t in zip(formats, times)]
     bandwidths: list[float] = []
     for b in args.batch_sizes:
         # per format, per round: (at batch 1 the read bandwidth around it, tok/s, bytes/s read): a shared
         # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
-        jobs = {f: lambda m=m, b=b: around(lambda: decode_speed(m, tok, prompts[:b], args.steps), b == 1)
-                for f, m in models.items()}
-        for f, timed in rounds(jobs, args.repeats).items():
-            rows.append(dict(format=f, measure="decode_tok_s", size=b, value=statistics.median(t for _, t, _ in timed)))
+        jobs = {(f, k): lambda m=m, b=b, k=k: around(lambda: decode_speed(m, tok, prompts[:b], args.steps, k), b == 1)
+                for f, m in models.items() for k in sorted({1, args.scheduler_steps})}
+        for (f, k), timed in rounds(jobs, args.repeats).items():
+            multi = "multistep_" if k > 1 else ""  # several decode forwards per engine step
+            rows.append(dict(format=f, measure=f"{multi}decode_tok_s", size=b,
+                             value=statistics.median(t for _, t, _ in timed)))
             if b == 1:
                 bandwidths += [bw for bw, _, _ in timed]
-                rows.append(dict(format=f, measure="read_bandwidth_fraction", size=1, value=statistics.median(
+                rows.append(dict(format=f, measure=f"{multi}read_bandwidth_fraction", size=1, value=statistics.median(
                     read / bw for bw, _, read in timed)))
     read_bw = statistics.median(bandwidths) if bandwidths else measure_bandwidth()[0]
     w = ragged_workload(tok, args.requests, seed=args.seed)
@@ -175,8 +186,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         r["vs_fp32"] = r["value"] / base if base and r["measure"].endswith(("tok_s", "req_s")) else ""
     meta = csv_header(argv, bf16_road=bf16_road(), int8_road=int8.int8_road(), read_bandwidth_gb_s=read_bw / 1e9,
                       held_out="pydoc_data.topics (Python's documentation)", windows=args.windows,
-                      prompts=args.prompts, new_tokens=args.new_tokens, slo=dict(ttft_s=SLO().ttft_s,
-                                                                                tpot_s=SLO().tpot_s))
+                      prompts=args.prompts, new_tokens=args.new_tokens, scheduler_steps=args.scheduler_steps,
+                      slo=dict(ttft_s=SLO().ttft_s, tpot_s=SLO().tpot_s))
     write_csv(args.out, rows, meta)
     write_csv(beside(args.out, "greedy"), greedy_rows, meta)
     return report(args.out, meta, rows)

@@ -46,6 +46,10 @@ def test_decode_speed_counts_every_weight_and_the_context_kv_a_step_reads(tiny_m
     tok_s, read_s = numerics.decode_speed(tiny_model, tok, [[1, 5, 9, 2, 7]], 4)
     kv = kv_bytes_per_token(tiny_model.cfg, 4)
     assert tok_s > 0 and math.isclose(read_s / tok_s, tiny_model.weight_bytes() + 7 * kv, rel_tol=1e-9)
+    # three forwards per step: 6 new tokens after the prefill's are two steps, over 6-8 keys and over 9-11 (means
+    # 7 and 10): the median step's forward reads 8.5 tokens' K/V
+    tok_s, read_s = numerics.decode_speed(tiny_model, tok, [[1, 5, 9, 2, 7]], 7, scheduler_steps=3)
+    assert tok_s > 0 and math.isclose(read_s / tok_s, tiny_model.weight_bytes() + 8.5 * kv, rel_tol=1e-9)
 
 
 def test_a_decodes_bandwidth_is_the_mean_of_one_measured_before_and_one_after(monkeypatch):
