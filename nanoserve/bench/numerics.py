@@ -8,9 +8,9 @@ perplexity, and greedy agreement over many prompts (where the first divergence f
 speed, formats interleaved: prefill tok/s, decode tok/s at each batch size through the engine, the bytes batch 1's
 step reads (every weight once, and the request's K/V over its context, as `step_roofline` counts them) as a
 fraction of the read bandwidth (measured just before and just after each batch-1 decode; the median of each
-decode's fraction), the same decode speeds with several forwards per engine step (`--scheduler-steps`, the
-`multistep_` rows), and goodput on a ragged arrival trace. One long-format CSV (format, measure, size, value,
-vs_fp32) and one row per greedy prompt (`-greedy.csv`).
+decode's fraction, over three times the rounds), the same decode speeds with several forwards per engine step
+(`--scheduler-steps`, the `multistep_` rows), and goodput on a ragged arrival trace. One long-format CSV (format,
+measure, size, value, vs_fp32) and one row per greedy prompt (`-greedy.csv`).
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         # machine's bandwidth moves from minute to minute, so each decode is divided by its own moment's
         jobs = {(f, k): lambda m=m, b=b, k=k: around(lambda: decode_speed(m, tok, prompts[:b], args.steps, k), b == 1)
                 for f, m in models.items() for k in sorted({1, args.scheduler_steps})}
-        for (f, k), timed in rounds(jobs, args.repeats).items():
+        # batch 1's fraction of read bandwidth moves by a tenth from one round to the next: three times the rounds
+        for (f, k), timed in rounds(jobs, args.repeats * (3 if b == 1 else 1)).items():
             multi = "multistep_" if k > 1 else ""  # several decode forwards per engine step
             rows.append(dict(format=f, measure=f"{multi}decode_tok_s", size=b,
                              value=statistics.median(t for _, t, _ in timed)))
