@@ -1,6 +1,7 @@
 """The engine on the real model: a fixed mixed workload (prompts of 1 to 500 tokens arriving at
-different steps, a budget that chunks the long ones, chat prompts sharing the template's prefix)
-gives every request transformers' greedy tokens for its prompt alone, up to a genuine near-tie."""
+different steps, a budget that chunks the long ones, chat prompts sharing the template's prefix), with one
+decode forward per step and with up to eight, gives every request transformers' greedy tokens for its prompt
+alone, up to a genuine near-tie."""
 
 import pytest
 from prompts import MAX_NEW, near_tie_horizon, prompt_ids
@@ -11,11 +12,12 @@ from nanoserve.sampling import SamplingParams
 ARRIVALS = {"long_500": 0, "plain": 0, "chat": 1, "code": 3, "one_token": 3, "chat_cjk": 6}
 
 
-@pytest.fixture(scope="module")
-def served(model, tok):
-    """Run the workload once: the engine, and name -> (request, tokens streamed). The pool (44 blocks of 16)
-    holds the long prompt's request (36 blocks) but not everyone at once."""
-    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=96, num_blocks=44)
+@pytest.fixture(scope="module", params=[1, 8], ids=["one forward per step", "up to 8 forwards per step"])
+def served(request, model, tok):
+    """Run the workload once per setting of num_scheduler_steps: the engine, and name -> (request, tokens
+    streamed). The pool (44 blocks of 16) holds the long prompt's request (36 blocks) but not everyone at once."""
+    engine = LLMEngine(model, max_num_seqs=4, max_num_batched_tokens=96, num_blocks=44,
+                       num_scheduler_steps=request.param)
     ids, tokens, step = {}, {}, 0
     while step <= max(ARRIVALS.values()) or engine.has_unfinished_requests():
         for name, at in ARRIVALS.items():
@@ -47,6 +49,8 @@ def test_the_workload_chunked_preempted_and_shared_as_intended(served):
     assert max(r.num_requests for r in engine.history) == 4  # max_num_seqs held
     assert engine.scheduler.num_preemptions > 0
     assert reqs["chat_cjk"][0].num_cached_tokens > 0  # the chat template's blocks were found
+    k = engine.config.scheduler.num_scheduler_steps
+    assert max(r.num_steps for r in engine.history) == k  # with k > 1, once no one waited, k forwards a step
     engine.check_idle()
 
 
