@@ -100,7 +100,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.storage.copy_blocks(copies)
         stops = [sorted(s) for s in stop_ids] if stop_ids else [[] for _ in chunks]
-        if self.block_step is not None and self.attention == "compiled":
+        if self.block_step is not None:  # its attention is the compiled one
             R, W, S = len(chunks), max(len(c.block_table) for c in chunks), max(map(len, stops))
             pad = lambda xs, n: [*xs, *[-1] * (n - len(xs))]  # noqa: E731
             flat = torch.frombuffer(array("q", [c.token_ids[0] for c in chunks] + [c.num_computed for c in chunks]
