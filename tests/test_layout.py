@@ -3,9 +3,11 @@ module may import its own folder's modules and anything in a lower layer, never 
 cycle between modules with package `__init__`s counted, and no two public classes of the same name."""
 
 import ast
+import re
 from pathlib import Path
 
 import nanoserve
+from nanoserve.cli import build_parser
 
 ROOT = Path(nanoserve.__file__).parent
 
@@ -120,3 +122,42 @@ def test_the_checks_catch_what_they_claim():
     assert RANK["engine"] < RANK["generate"] and RANK["kv"] < RANK["attention"] < RANK["model"]
     assert imports(ROOT / "engine" / "llm_engine.py") >= {"nanoserve.engine.scheduler", "nanoserve.config"}
     assert "nanoserve.kernels" in imports(ROOT / "model" / "ops.py")  # `from .. import kernels`: the package
+
+
+
+def readme_layout() -> dict[str, str]:
+    """The README's layout drawing (the fenced block under "## Layout"), as {folder: its text}, "" for the
+    top-level modules' entries."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    entries: dict[str, str] = {}
+    key = ""
+    for line in readme.split("\n## Layout\n", 1)[1].split("```")[1].splitlines()[2:]:  # after "nanoserve/"
+        if line.startswith("  ") and not line.startswith("   "):  # a new entry: a folder, or top-level modules
+            first = line.split()[0]
+            key = first.rstrip("/") if first.endswith("/") else ""
+        entries[key] = entries.get(key, "") + line + "\n"
+    return entries
+
+
+def unnamed_modules(entries: dict[str, str], root: Path = ROOT) -> list[str]:
+    """The package's modules (not `__init__`, `__main__`) that their folder's entry does not name; a `bench`
+    command's module may be named by its command."""
+    commands = re.search(r"the `bench` commands \(([^)]*)\)", entries["bench"]).group(1)
+    out = []
+    for p in root.rglob("*.py"):
+        folder, named = p.parent.relative_to(root).as_posix().replace(".", ""), rf"(?<![\w.]){re.escape(p.name)}"
+        text = entries.get(folder, "") + (commands.replace(",", ".py,") + ".py" if folder == "bench" else "")
+        if p.stem not in ("__init__", "__main__") and not re.search(named, text):
+            out.append(str(p.relative_to(root)))
+    return sorted(out)
+
+
+def test_the_readme_layout_names_every_module_and_bench_command():
+    """A newcomer finds each file in the folder where the README's drawing puts it, and each `bench` command."""
+    entries = readme_layout()
+    assert unnamed_modules(entries) == []
+    moved = {k: v.replace("torch_ops.py", "") for k, v in entries.items()} | {"": entries[""] + "torch_ops.py"}
+    assert unnamed_modules(moved) == ["attention/torch_ops.py"]  # named, but in another folder's entry
+    bench = build_parser()._subparsers._group_actions[0].choices["bench"]
+    drawn = re.search(r"the `bench` commands \(([^)]*)\)", entries["bench"]).group(1).split(",")
+    assert sorted(" ".join(c.split()) for c in drawn) == sorted(bench._subparsers._group_actions[0].choices)
