@@ -16,6 +16,7 @@
     bench outputs  what log-probabilities and structured outputs cost a decode step (Day 41)
     bench shared   one request's decode with and without a busy neighbour process, per thread setting
     bench numerics bf16 and int8 activations against fp32: errors, agreement, perplexity, speed (Day 42)
+    bench clients  the field's programs beside serve: llama-server's build, GuideLLM, lm-eval
     serve          an OpenAI-compatible HTTP server (Day 38)
 
 Bad arguments get one line on stderr and exit code 2.

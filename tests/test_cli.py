@@ -94,6 +94,18 @@ def test_every_command_has_help(args, capsys):
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: nanoserve")
 
 
+def test_the_overview_lists_every_command(capsys):
+    """`nanoserve --help` opens with one line per command and per benchmark: none the parser has is left out."""
+    ap = build_parser()
+    commands = ap._subparsers._group_actions[0].choices
+    benches = commands["bench"]._subparsers._group_actions[0].choices
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--help"])
+    listed = {" ".join(line.split()[:2]) if line.split()[0] == "bench" else line.split()[0]
+              for line in capsys.readouterr().out.split("Commands:\n\n", 1)[1].split("\n\n", 1)[0].splitlines()}
+    assert listed == {c for c in commands if c != "bench"} | {f"bench {b}" for b in benches}
+
+
 def test_a_bench_hands_its_server_the_same_model_flags():
     """`bench arrivals` starts `serve` with `loader.cli_argv`: the server must load the model the bench was asked
     for (its numbers format included), or a comparison would measure another model than it names."""
