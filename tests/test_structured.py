@@ -95,6 +95,32 @@ def compiler(tok, model):
     return GrammarCompiler(tok, model.cfg.eos_token_id)
 
 
+def test_a_grammar_that_fails_in_a_step_ends_its_request_alone(model, tok, compiler):
+    """Where a grammar fails at a step's mask (past the checks `add_request` makes), that request ends with
+    finish_reason "error" and the grammar's reason; the constrained request filled beside it gets the tokens it
+    gets alone, and every block comes back."""
+    ids = tok.encode_chat([{"role": "user", "content": "Is the sky blue? Answer yes or no."}])
+    yes_no = SamplingParams(temperature=0, max_tokens=4,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+
+    def run(doom: bool) -> tuple[object, object]:
+        engine = LLMEngine(model, tok, num_blocks=64)
+        ok = engine.add_request(ids, yes_no)
+        doomed = engine.add_request(ids, yes_no) if doom else None
+        if doom:  # an empty language, found at its first mask
+            empty = StructuredOutputsParams(regex=r"[^\s\S]")
+            engine.requests[doomed].matcher = compiler.matcher(empty, "guided_regex")
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.check_idle()
+        return engine.requests[ok], engine.requests[doomed] if doom else None
+
+    beside, failed = run(doom=True)
+    assert beside.output_token_ids == run(doom=False)[0].output_token_ids and beside.text in ("yes", "no")
+    assert failed.finish_reason.value == "error" and failed.output_token_ids == []
+    assert "guided_regex: no output can satisfy this regex" in failed.error
+
+
 @pytest.mark.parametrize("kw, match", [
     ({"regex": "(abc"}, "unclosed group"),
     ({"json": {"type": "array", "uniqueItems": True}}, "uniqueItems"),
