@@ -124,7 +124,6 @@ def test_the_checks_catch_what_they_claim():
     assert "nanoserve.kernels" in imports(ROOT / "model" / "ops.py")  # `from .. import kernels`: the package
 
 
-
 def readme_layout() -> dict[str, str]:
     """The README's layout drawing (the fenced block under "## Layout"), as {folder: its text}, "" for the
     top-level modules' entries."""
@@ -139,15 +138,22 @@ def readme_layout() -> dict[str, str]:
     return entries
 
 
+def drawn_commands(entries: dict[str, str]) -> list[str]:
+    """The `bench` commands the drawing lists in its bench/ entry."""
+    listed = re.search(r"the `bench` commands \(([^)]*)\)", entries["bench"]).group(1)
+    return [" ".join(c.split()) for c in listed.split(",")]
+
+
 def unnamed_modules(entries: dict[str, str], root: Path = ROOT) -> list[str]:
     """The package's modules (not `__init__`, `__main__`) that their folder's entry does not name; a `bench`
     command's module may be named by its command."""
-    commands = re.search(r"the `bench` commands \(([^)]*)\)", entries["bench"]).group(1)
     out = []
     for p in root.rglob("*.py"):
-        folder, named = p.parent.relative_to(root).as_posix().replace(".", ""), rf"(?<![\w.]){re.escape(p.name)}"
-        text = entries.get(folder, "") + (commands.replace(",", ".py,") + ".py" if folder == "bench" else "")
-        if p.stem not in ("__init__", "__main__") and not re.search(named, text):
+        folder = "" if p.parent == root else p.parent.relative_to(root).as_posix()
+        text = entries.get(folder, "")
+        if folder == "bench":
+            text += " ".join(f"{c}.py" for c in drawn_commands(entries))
+        if p.stem not in ("__init__", "__main__") and not re.search(rf"(?<![\w.]){re.escape(p.name)}", text):
             out.append(str(p.relative_to(root)))
     return sorted(out)
 
@@ -159,5 +165,4 @@ def test_the_readme_layout_names_every_module_and_bench_command():
     moved = {k: v.replace("torch_ops.py", "") for k, v in entries.items()} | {"": entries[""] + "torch_ops.py"}
     assert unnamed_modules(moved) == ["attention/torch_ops.py"]  # named, but in another folder's entry
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
-    drawn = re.search(r"the `bench` commands \(([^)]*)\)", entries["bench"]).group(1).split(",")
-    assert sorted(" ".join(c.split()) for c in drawn) == sorted(bench._subparsers._group_actions[0].choices)
+    assert sorted(drawn_commands(entries)) == sorted(bench._subparsers._group_actions[0].choices)
