@@ -287,27 +287,35 @@ def sample(logits: Tensor, rows: Sequence[RowSampler], seen: Sequence[Sequence[i
     return out
 
 
-def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int]) -> list[dict[int, tuple[float, int]]]:
+def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int],
+                compiled: bool | None = None) -> list[dict[int, tuple[float, int]]]:
     """Row i's log-softmax (of the logits as the model produced them) at tokens[i], and at its top[i] likeliest
     tokens: {token: (logprob, rank)}, rank 1 the likeliest (ties share the better rank), the chosen token first.
     The log-softmax is logit - logsumexp, taken only where it is read. A token's rank counts the logits above
-    it; where the token is among the row's top ones (a greedy token always is), every logit above it is in the
-    top-k already read, so only the other rows are compared across the vocabulary."""
+    it. Where `compiled` (None: where built) one kernel call reads each row for all of it; torch's ops
+    instead compare across the vocabulary only the rows whose token is not among the top ones read (a greedy
+    token always is)."""
     x = logits.float()
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1)
-    chosen = x.gather(1, torch.tensor(list(tokens), dtype=torch.long)[:, None].clamp(min=0))  # (R, 1)
+    ids = torch.tensor(list(tokens), dtype=torch.long).clamp(min=0)
+    k = min(max(max(top, default=0), 1), x.shape[-1])
+    if kernels.resolve(compiled) and kernels.fits(x) and x.dim() == 2 and x.shape[-1] > 0:
+        lse, chosen, ranks, values, indices = kernels.logprob_rows(x, ids, k)  # each row read three times
+        lse, chosen = lse[:, None], chosen[:, None]
+    else:
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)  # (R, 1)
+        chosen = x.gather(1, ids[:, None])  # (R, 1)
+        values, indices = x.topk(k, dim=-1)
+        ranks = (values > chosen).sum(-1) + 1
+        outside = (~(chosen[:, 0] >= values[:, -1])).nonzero()[:, 0]  # rows not shown in their top-k (or NaN)
+        if outside.numel():
+            ranks[outside] = (x[outside] > chosen[outside]).sum(-1) + 1
     mine = chosen - lse
-    best = x.topk(min(max(max(top, default=0), 1), x.shape[-1]), dim=-1)
-    ranks = (best.values > chosen).sum(-1) + 1
-    outside = (~(chosen[:, 0] >= best.values[:, -1])).nonzero()[:, 0]  # rows not shown in their top-k (or NaN)
-    if outside.numel():
-        ranks[outside] = (x[outside] > chosen[outside]).sum(-1) + 1
     out = []
     for i, t in enumerate(tokens):
         entry = {int(t): (float(mine[i, 0]), int(ranks[i]))}
         if top[i]:
-            values = (best.values[i, :top[i]] - lse[i]).tolist()
-            for r, (v, tok) in enumerate(zip(values, best.indices[i, :top[i]].tolist())):
+            shown = (values[i, :top[i]] - lse[i]).tolist()
+            for r, (v, tok) in enumerate(zip(shown, indices[i, :top[i]].tolist())):
                 entry.setdefault(tok, (v, r + 1))
         out.append(entry)
     return out

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nanoserve import kernels
 from nanoserve.sampling import (
     ARGMAX_CHUNK,
     GREEDY_BELOW,
@@ -390,3 +391,43 @@ def test_logprobs_of_ranks_count_every_logit_above_the_token_whether_or_not_it_i
             assert token == t and rank == int((logits[i] > logits[i, t]).sum()) + 1
             assert value == float(logits[i, t] - lse[i]) or math.isnan(value)
             assert len(entry) <= top[i] + 1
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 40, 1000, 49152])
+def test_one_kernel_call_reads_what_logprobs_need_as_torch_does(compiled, V):
+    """`kernels.logprob_rows`: the log-sum-exp within a few ulp of the exact one (NaN, -inf and +inf rows as
+    torch.logsumexp answers them), the token's logit and rank exactly, and torch.topk's k largest, equal logits
+    in index order; `logprobs_of` on it gives what it gives on torch's ops."""
+    g = torch.Generator().manual_seed(V)
+    R = 8
+    x = torch.randn(R, V, generator=g) * 6
+    x[1] = torch.randint(-3, 4, (V,), generator=g).float()  # ties everywhere
+    x[2, ::3] = -math.inf  # a grammar's mask
+    x[3] = -math.inf
+    x[4, V // 2] = math.inf
+    x[5, V - 1] = math.nan
+    tokens = torch.randint(0, V, (R,), generator=g)
+    tokens[0] = x[0].argmax()
+    exact = torch.logsumexp(x.double(), -1)
+    for k in sorted({1, min(5, V), min(20, V), V}):
+        lse, chosen, rank, values, at = kernels.logprob_rows(x, tokens, k)
+        finite = exact.isfinite()
+        assert ((lse[finite].double() - exact[finite]).abs() <= 1e-6 * exact[finite].abs().clamp(min=1)).all()
+        assert torch.equal(lse[~finite].nan_to_num(), torch.logsumexp(x, -1)[~finite].nan_to_num())
+        assert torch.equal(chosen.nan_to_num(), x.gather(1, tokens[:, None])[:, 0].nan_to_num())
+        assert torch.equal(rank, (x > chosen[:, None]).sum(-1) + 1)
+        assert torch.equal(values.nan_to_num(), x.topk(k, dim=-1).values.nan_to_num())
+        assert torch.equal(x.gather(1, at).nan_to_num(), values.nan_to_num())
+        for r in range(R):  # equal logits in index order: the pairs (value, -index) fall strictly
+            pairs = list(zip(values[r].nan_to_num(math.inf).tolist(), (-at[r]).tolist()))
+            assert pairs == sorted(pairs, reverse=True) and len(set(at[r].tolist())) == k
+    tie_free = [0, 6, 7]
+    top = [min(5, V)] * len(tie_free)
+    a = logprobs_of(x[tie_free], tokens[tie_free].tolist(), top, compiled=True)
+    b = logprobs_of(x[tie_free], tokens[tie_free].tolist(), top, compiled=False)
+    for ea, eb in zip(a, b):
+        assert list(ea) == list(eb) and all(ea[t][1] == eb[t][1] and abs(ea[t][0] - eb[t][0]) < 1e-5 for t in ea)
+    with pytest.raises(RuntimeError, match=r"tokens\[0\] = -1 is not in"):
+        kernels.logprob_rows(x, torch.full((R,), -1), 1)
+    with pytest.raises(RuntimeError, match="k: expected 1 <= k"):
+        kernels.logprob_rows(x, tokens, V + 1)

@@ -294,7 +294,7 @@ class LLMEngine:
         logprobs: dict[Request, list] = {}
         if wanted:
             lps = logprobs_of(chosen_rows[wanted], [picks[i] for i in wanted],
-                              [owners[i].params.logprobs for i in wanted])
+                              [owners[i].params.logprobs for i in wanted], self.runner.kernels)
             for i, lp in zip(wanted, lps):
                 logprobs.setdefault(owners[i], []).append(lp)
         for c in plan.chunks:  # a draft stands while the model's own choice agrees with it
@@ -323,7 +323,8 @@ class LLMEngine:
         n = min(len(logits), P - 1 - start)  # rows whose next token is still the prompt's
         if n > 0:
             targets = req.prompt_token_ids[start + 1:start + 1 + n]
-            req.prompt_logprobs_partial += logprobs_of(logits[:n], targets, [req.params.prompt_logprobs] * n)
+            req.prompt_logprobs_partial += logprobs_of(logits[:n], targets, [req.params.prompt_logprobs] * n,
+                                                       self.runner.kernels)
         if start + len(c.token_ids) >= P:  # the whole prompt is scored
             req.prompt_logprobs = [None, *req.prompt_logprobs_partial]
             req.prompt_logprobs_partial = []

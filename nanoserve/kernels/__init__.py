@@ -203,6 +203,16 @@ def argmax_rows(logits: Tensor) -> Tensor:
     return _ext().argmax_rows(logits)
 
 
+def logprob_rows(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """logits (R, V) fp32, tokens (R,) int64 -> what log-probabilities read of each row, in one call: its
+    log-sum-exp (R,) (torch.logsumexp's to a few ulp), the token's logit (R,), its rank (R,) (1 + the logits above
+    it), and the row's k largest (R, k) with their indices (R, k) (torch.topk's; equal logits, the first index
+    first)."""
+    if has_torch_function((logits, tokens)):
+        return handle_torch_function(logprob_rows, (logits, tokens), logits, tokens, k)
+    return tuple(_ext().logprob_rows(logits, tokens, k))
+
+
 def apply_bitmask_(logits: Tensor, bitmask: Tensor) -> Tensor:
     """logits (R, V) fp32, bitmask (R, ceil(V / 32)) int32: every token a row's bits forbid set to -inf, in
     place, in one pass (`structured.apply_bitmask_` says what the bits mean)."""

@@ -631,6 +631,92 @@ torch::Tensor argmax_rows(torch::Tensor logits) {
   return out;
 }
 
+// A NaN above every number (as torch.topk orders them), else the numbers' own order.
+inline bool above(float a, float b) { return (a > b) | ((a != a) & (b == b)); }
+
+// The k largest seen so far, largest first; of equal ones the first seen stays ahead.
+struct TopK {
+  int64_t k, n;
+  float* value;
+  int64_t* at;
+  void offer(float x, int64_t i) {
+    if (n == k && !above(x, value[k - 1])) return;
+    int64_t p = n < k ? n++ : k - 1;
+    for (; p > 0 && above(x, value[p - 1]); --p) value[p] = value[p - 1], at[p] = at[p - 1];
+    value[p] = x, at[p] = i;
+  }
+};
+
+// What log-probabilities read of each row, in three reads of it (a row of logits stays in L2 after the first): logits (R, V), tokens (R,) -> (log-sum-exp (R,),
+// the token's logit (R,), its rank (R,): 1 + how many logits are above it, the row's k largest (R, k) and their
+// indices (R, k)). The log-sum-exp is m + log(sum of e^(x - m)), m the row's largest, the sum fast_exp's in LANES
+// running sums added in a fixed order: torch.logsumexp's number to a few ulp, the same bits on any CPU; a row
+// holding a NaN gives NaN, one of only -inf gives -inf, one holding +inf gives +inf, as torch answers. The top k
+// are torch.topk's, a NaN counting as largest; of equal logits the first index comes first.
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: expected (rows, vocab) with vocab > 0");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(tokens.scalar_type() == torch::kInt64 && tokens.is_contiguous() && tokens.dim() == 1 &&
+                  tokens.size(0) == R, "tokens: expected contiguous int64 (", R, ",)");
+  TORCH_CHECK(k >= 1 && k <= V, "k: expected 1 <= k <= ", V, ", got ", k);
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "tokens[", r, "] = ", tp[r], " is not in [0, ", V, ")");
+  auto lse = torch::empty({R}, logits.options()), chosen = torch::empty({R}, logits.options());
+  auto rank = torch::empty({R}, tokens.options()), value = torch::empty({R, k}, logits.options());
+  auto at = torch::empty({R, k}, tokens.options());
+  const float* lp = logits.data_ptr<float>();
+  float *lsp = lse.data_ptr<float>(), *cp = chosen.data_ptr<float>(), *vp = value.data_ptr<float>();
+  int64_t *rp = rank.data_ptr<int64_t>(), *ap = at.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float e[LANES];
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = lp + r * V;
+      const float c = x[tp[r]], m = max_of(x, V);
+      vec acc = {};  // the sum of e^(x - m): a loop of fast_exp alone, so that it vectorizes
+      int64_t i = 0;
+      for (; i + LANES <= V; i += LANES) {
+        for (int j = 0; j < LANES; ++j) e[j] = fast_exp(x[i + j] - m);  // NaN stays NaN through fast_exp
+        acc += load_lanes(e);
+      }
+      float sum = 0.f;
+      for (int j = 0; j < LANES; ++j) sum += acc[j];
+      for (; i < V; ++i) sum += fast_exp(x[i] - m);
+      if (!std::isfinite(m)) {  // -inf or +inf is the row's largest: the answer is m, unless a NaN is there
+        bool nan = false;
+        for (int64_t l = 0; l < V; ++l) nan = nan || x[l] != x[l];
+        lsp[r] = nan ? NAN : m;
+      } else {
+        lsp[r] = m + std::log(sum);
+      }
+      // the logits above c, and the top k: WIDE at a time, a run offered one by one only where a logit in it
+      // could enter (comparisons only, so the counts and picks are exact in any order)
+      TopK top{k, 0, vp + r * k, ap + r * k};
+      wivec above_c = {};
+      for (i = 0; i + WIDE <= V; i += WIDE) {
+        const wvec y = *reinterpret_cast<const wvec*>(x + i);
+        above_c -= y > c;  // a true lane is -1
+        if (top.n == k) {
+          const wivec in = (y > top.value[k - 1]) | (y != y);
+          bool any = false;
+          for (int j = 0; j < WIDE; ++j) any = any || in[j];
+          if (!any) continue;
+        }
+        for (int j = 0; j < WIDE; ++j) top.offer(x[i + j], i + j);
+      }
+      int64_t n_above = 0;
+      for (int j = 0; j < WIDE; ++j) n_above += above_c[j];
+      for (; i < V; ++i) {
+        n_above += x[i] > c;
+        top.offer(x[i], i);
+      }
+      cp[r] = c;
+      rp[r] = n_above + 1;
+    }
+  });
+  return {lse, chosen, rank, value, at};
+}
+
 // A grammar's token masks applied in place: logits (R, V) fp32, bitmask (R, ceil(V / 32)) int32, bit j of word w
 // allowing token 32 w + j; every token not allowed becomes -inf, as masked_fill_ writes it. One pass over a row,
 // a word at a time: a word that allows all 32 is skipped, one that allows none fills 32 at once.

@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_fp32", &pack_fp32, "an fp32 matrix (N, K) as tiles (N / 16, K, 16), for fp32_linear");
   m.def("fp32_linear", &fp32_linear, "x @ w.T from w's tiles: sliced in-order sums, the same bits for any rows");
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");
+  m.def("logprob_rows", &logprob_rows, "each row's log-sum-exp, a token's logit and rank, the top k");
   m.def("apply_bitmask_", &apply_bitmask_, "every logit a row's token bitmask forbids set to -inf, in place");
   m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
   m.def("block_linear_int8", &block_linear_int8, "block_linear with x quantized to int8 blocks (llama.cpp's way)");

@@ -43,6 +43,7 @@ void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool
                           int64_t split_keys, float* out, Team* team = nullptr);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
 torch::Tensor argmax_rows(torch::Tensor logits);
+std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k);
 void apply_bitmask_(torch::Tensor logits, torch::Tensor bitmask);
 // The first largest value of a range and where it is (`nan`: the range holds a NaN, `at` the first one).
 struct RangeMax {
