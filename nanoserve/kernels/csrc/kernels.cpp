@@ -647,12 +647,13 @@ struct TopK {
   }
 };
 
-// What log-probabilities read of each row, in three reads of it (a row of logits stays in L2 after the first): logits (R, V), tokens (R,) -> (log-sum-exp (R,),
-// the token's logit (R,), its rank (R,): 1 + how many logits are above it, the row's k largest (R, k) and their
-// indices (R, k)). The log-sum-exp is m + log(sum of e^(x - m)), m the row's largest, the sum fast_exp's in LANES
-// running sums added in a fixed order: torch.logsumexp's number to a few ulp, the same bits on any CPU; a row
-// holding a NaN gives NaN, one of only -inf gives -inf, one holding +inf gives +inf, as torch answers. The top k
-// are torch.topk's, a NaN counting as largest; of equal logits the first index comes first.
+// What log-probabilities read of each row, in three reads of it (after the first the row is in L2): logits (R, V),
+// tokens (R,) -> (log-sum-exp (R,), the token's logit (R,), its rank (R,): 1 + how many logits are above it, the
+// row's k largest (R, k) and their indices (R, k)). The log-sum-exp is m + log(sum of e^(x - m)), m the row's
+// largest, the sum fast_exp's in LANES running sums added in a fixed order: torch.logsumexp's number to a few ulp,
+// the same bits on any CPU; a row holding a NaN gives NaN, one of only -inf gives -inf, one holding +inf gives
+// +inf, as torch answers. The top k are torch.topk's, a NaN counting as largest; of equal logits the first index
+// comes first.
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k) {
   check_f32(logits, "logits");
   TORCH_CHECK(logits.dim() == 2 && logits.size(1) > 0, "logits: expected (rows, vocab) with vocab > 0");
@@ -661,7 +662,8 @@ std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor toke
                   tokens.size(0) == R, "tokens: expected contiguous int64 (", R, ",)");
   TORCH_CHECK(k >= 1 && k <= V, "k: expected 1 <= k <= ", V, ", got ", k);
   const int64_t* tp = tokens.data_ptr<int64_t>();
-  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "tokens[", r, "] = ", tp[r], " is not in [0, ", V, ")");
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(tp[r] >= 0 && tp[r] < V, "tokens[", r, "] = ", tp[r], " is not in [0, ", V, ")");
   auto lse = torch::empty({R}, logits.options()), chosen = torch::empty({R}, logits.options());
   auto rank = torch::empty({R}, tokens.options()), value = torch::empty({R, k}, logits.options());
   auto at = torch::empty({R, k}, tokens.options());
