@@ -309,13 +309,12 @@ def logprobs_of(logits: Tensor, tokens: Sequence[int], top: Sequence[int],
         outside = (~(chosen[:, 0] >= values[:, -1])).nonzero()[:, 0]  # rows not shown in their top-k (or NaN)
         if outside.numel():
             ranks[outside] = (x[outside] > chosen[outside]).sum(-1) + 1
-    mine = chosen - lse
+    mine, ranks = (chosen - lse)[:, 0].tolist(), ranks.tolist()  # to Python once, not row by row
+    shown, indices = (values - lse).tolist(), indices.tolist()
     out = []
     for i, t in enumerate(tokens):
-        entry = {int(t): (float(mine[i, 0]), int(ranks[i]))}
-        if top[i]:
-            shown = (values[i, :top[i]] - lse[i]).tolist()
-            for r, (v, tok) in enumerate(zip(shown, indices[i, :top[i]].tolist())):
-                entry.setdefault(tok, (v, r + 1))
+        entry = {int(t): (mine[i], ranks[i])}
+        for r, (v, tok) in enumerate(zip(shown[i][:top[i]], indices[i][:top[i]])):
+            entry.setdefault(tok, (v, r + 1))
         out.append(entry)
     return out

@@ -293,7 +293,8 @@ class LLMEngine:
         wanted = [i for i, seq in enumerate(owners) if seq.params.logprobs is not None and picks[i] != INVALID]
         logprobs: dict[Request, list] = {}
         if wanted:
-            lps = logprobs_of(chosen_rows[wanted], [picks[i] for i in wanted],
+            asked = chosen_rows if len(wanted) == len(chosen_rows) else chosen_rows[wanted]  # no copy when all ask
+            lps = logprobs_of(asked, [picks[i] for i in wanted],
                               [owners[i].params.logprobs for i in wanted], self.runner.kernels)
             for i, lp in zip(wanted, lps):
                 logprobs.setdefault(owners[i], []).append(lp)
