@@ -16,6 +16,7 @@
     bench outputs  what log-probabilities and structured outputs cost a decode step (Day 41)
     bench shared   one request's decode with and without a busy neighbour process, per thread setting
     bench numerics bf16 and int8 activations against fp32: errors, agreement, perplexity, speed (Day 42)
+    bench stall    how late a 5 ms timer and /health answer during a long prefill and a full batch's decode
     bench clients  the field's programs beside serve: llama-server's build, GuideLLM, lm-eval
     serve          an OpenAI-compatible HTTP server (Day 38)
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         outputs,
         paged,
         shared,
+        stall,
     )
     from .bench import spec as spec_bench
     from .model import fetch
@@ -95,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     outputs.add_arguments(bsub.add_parser("outputs", help="what logprobs and structured outputs cost a step (Day 41)"))
     shared.add_arguments(bsub.add_parser("shared", help="a decode step with and without a busy neighbour process"))
     numerics.add_arguments(bsub.add_parser("numerics", help="bf16 and int8 activations vs fp32: error, speed (Day 42)"))
+    stall.add_arguments(bsub.add_parser("stall", help="how late a timer and /health are while the engine computes"))
     clients.add_arguments(bsub.add_parser("clients", help="llama-server's build, GuideLLM and lm-eval against serve"))
     server.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible HTTP server"))
     return ap

@@ -307,3 +307,25 @@ def test_decode_runs_steps_in_one_call_as_step_by_step(tiny_blocks, block_size):
     with pytest.raises(RuntimeError, match="block_tables: request 0 has no block for position"):
         fast.decode([Chunk([7], starts[0] + k, tables[0].blocks)], [], 64)
     assert torch.equal(fast.storage.k, other.storage.k)  # refused before any step ran
+
+
+@pytest.mark.parametrize("weights", ["int8", "fp32 tiles"])
+def test_a_long_compiled_step_lets_other_threads_run(model_dir, compiled, weights):
+    """The compiled step lets go of Python's GIL while it computes (the server's HTTP thread answers during a long
+    prefill): a thread sleeping 5 ms at a time keeps waking while one 1,024-token step runs. Were the GIL held, its
+    first wake-up would come only when the step ended, seconds late; the bound is generous for a loaded machine."""
+    from nanoserve.bench.stall import probed, timer_lateness
+
+    if weights == "int8":
+        model = nanoserve.load(model_dir, weights="gguf", activations="int8")[0]
+    else:
+        model = nanoserve.load(model_dir)[0]
+        if tiled(model.layers[0].wqkv) is None:
+            pytest.skip("no fp32 tiles on this CPU")
+    manager, fast, _ = runners(model, 160, 16)
+    prompt = [(7 * i) % 40000 + 3 for i in range(1024)]
+    t = manager.new_table()
+    manager.append_slots(t, prompt)
+    lateness, step_s = probed(lambda: fast.execute([Chunk(prompt, 0, t.blocks)]), timer_lateness, 0.0)
+    assert step_s > 0.3, f"a {step_s:.2f} s step is too short to tell whether the GIL was held"
+    assert len(lateness) > 5 and max(lateness) < min(0.25, step_s / 3), (step_s, max(lateness), len(lateness))

@@ -4,25 +4,32 @@
 #include "nanoserve.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The model's step and the large products let go of Python's GIL while they run (they touch tensors only), so
+  // the server's HTTP thread answers during a long prefill. The small per-row kernels keep it: releasing and taking
+  // it back costs more than they do, and taking it back can wait for a busy thread's switch interval.
+  const auto nogil = pybind11::call_guard<pybind11::gil_scoped_release>();
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
   m.def("rope_", &rope_, "rotate the first heads of qkv in place (then, if asked, round it to bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("paged_attention", &paged_attention, "each query row over its request's paged keys (split-K past split_keys)");
-  m.def("prompt_attention_bf16", &prompt_attention_bf16, "a whole prompt's causal attention, bf16 products");
+  m.def("paged_attention", &paged_attention, nogil,
+        "each query row over its request's paged keys (split-K past split_keys)");
+  m.def("prompt_attention_bf16", &prompt_attention_bf16, nogil, "a whole prompt's causal attention, bf16 products");
   m.def("prompt_attention_bf16_here", &prompt_attention_bf16_here, "whether this CPU has AVX512_BF16");
-  m.def("bf16_linear", &bf16_linear, "x @ w.T for a bf16 matrix stored [in, out], fp32 sums, bf16 out");
-  m.def("pack_bf16", &pack_bf16, "a bf16 matrix (N, K) as tiles (N / 16, K / 2, 16, 2), for bf16_tiles_linear");
-  m.def("bf16_tiles_linear", &bf16_tiles_linear, "x @ w.T from w's bf16 tiles: pair products, fp32 chains, bf16 out");
-  m.def("pack_fp32", &pack_fp32, "an fp32 matrix (N, K) as tiles (N / 16, K, 16), for fp32_linear");
-  m.def("fp32_linear", &fp32_linear, "x @ w.T from w's tiles: sliced in-order sums, the same bits for any rows");
+  m.def("bf16_linear", &bf16_linear, nogil, "x @ w.T for a bf16 matrix stored [in, out], fp32 sums, bf16 out");
+  m.def("pack_bf16", &pack_bf16, nogil, "a bf16 matrix (N, K) as tiles (N / 16, K / 2, 16, 2), for bf16_tiles_linear");
+  m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil,
+        "x @ w.T from w's bf16 tiles: pair products, fp32 chains, bf16 out");
+  m.def("pack_fp32", &pack_fp32, nogil, "an fp32 matrix (N, K) as tiles (N / 16, K, 16), for fp32_linear");
+  m.def("fp32_linear", &fp32_linear, nogil, "x @ w.T from w's tiles: sliced in-order sums, the same bits for any rows");
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");
-  m.def("logprob_rows", &logprob_rows, "each row's log-sum-exp, a token's logit and rank, the top k");
+  m.def("logprob_rows", &logprob_rows, nogil, "each row's log-sum-exp, a token's logit and rank, the top k");
   m.def("apply_bitmask_", &apply_bitmask_, "every logit a row's token bitmask forbids set to -inf, in place");
-  m.def("block_linear", &block_linear, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
-  m.def("block_linear_int8", &block_linear_int8, "block_linear with x quantized to int8 blocks (llama.cpp's way)");
+  m.def("block_linear", &block_linear, nogil, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
+  m.def("block_linear_int8", &block_linear_int8, nogil,
+        "block_linear with x quantized to int8 blocks (llama.cpp's way)");
   m.def("quantize_activations_int8", &quantize_activations_int8, "x's int8 blocks: (q, d, s)");
-  m.def("pack_blocks_int8", &pack_blocks_int8, "GGUF blocks in an int8 road's packed layout");
-  m.def("block_linear_int8_packed", &block_linear_int8_packed, "block_linear_int8 on packed blocks");
+  m.def("pack_blocks_int8", &pack_blocks_int8, nogil, "GGUF blocks in an int8 road's packed layout");
+  m.def("block_linear_int8_packed", &block_linear_int8_packed, nogil, "block_linear_int8 on packed blocks");
   m.def("int8_packed_here", &int8_packed_here, "whether this CPU's int8 road has a packed layout");
   m.def("int8_road", &int8_road, "the road block_linear_int8 takes on this CPU");
   m.def("int8_roads", &int8_roads, "every road block_linear_int8 can take on this CPU, best first");
@@ -31,6 +38,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::string>, std::vector<bool>, std::vector<torch::Tensor>, int64_t, int64_t,
                           double, bool>())
-      .def("step", &BlockModel::step, "one step: the embedding rows, every layer, the LM head's logits")
-      .def("decode", &BlockModel::decode, "decode steps in a row, each step's input the last one's argmax");
+      .def("step", &BlockModel::step, nogil, "one step: the embedding rows, every layer, the LM head's logits")
+      .def("decode", &BlockModel::decode, nogil, "decode steps in a row, each step's input the last one's argmax");
 }
