@@ -140,6 +140,21 @@ class Matcher:
                 why = f"no output can satisfy this {self.kind}"
             raise GrammarError(self.field, why)
 
+    def check_start(self) -> None:
+        """Take the grammar's first step and one token it allows (on this matcher: use a fresh one). What the
+        library cannot follow shows here, before a prompt is computed, rather than at the first generated token:
+        a language with no string in it, a choice list or a recursion past its parser's limits (GrammarError)."""
+        bitmask = torch.empty(words(self.vocab_size), dtype=torch.int32)
+        self.fill(bitmask)
+        first = int(allowed(bitmask.view(1, -1), self.vocab_size)[0].nonzero()[0])
+        if not self.consume(first):
+            raise GrammarError(self.field, f"the grammar library cannot follow this {self.kind}: {self.error}")
+
+    @property
+    def error(self) -> str:
+        """What the library said when the matcher failed (its first line), else ""."""
+        return _first_line(self.m.get_error()) if self.m.is_error() else ""
+
     def consume(self, token: int) -> bool:
         """Advance by one generated token; False if the grammar did not allow it."""
         return bool(self.m.consume_token(token)) and not self.m.is_error()

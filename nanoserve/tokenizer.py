@@ -16,6 +16,17 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from .config import CheckpointError
 
+PIECE_CHARS = 16384
+"""With a limit, a longer text is encoded in pieces of about this many characters until its tokens pass the limit."""
+
+
+class TooManyTokens(ValueError):
+    """A text holding more tokens than a limit, found without encoding all of it."""
+
+    def __init__(self, limit: int, count: int, chars: int):
+        super().__init__(f"holds more than {limit} tokens (its first {chars} characters already hold {count})")
+        self.limit, self.count, self.chars = limit, count, chars
+
 
 class Tokenizer:
     """A checkpoint folder's tokenizer: encode, decode, chat template, special tokens.
@@ -64,13 +75,31 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(i)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, limit: int | None = None) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) become their single ids. (encode_batch, because it
-        lets go of the GIL while it works: a server tokenizing a long prompt keeps answering others.)"""
+        lets go of the GIL while it works: a server tokenizing a long prompt keeps answering others.) With `limit`,
+        a text holding more tokens than that is refused (TooManyTokens) having encoded about `limit` of them: a
+        megabyte of emoji (three tokens a character) costs a server what one context's worth of text does."""
+        if limit is not None and len(text) > PIECE_CHARS:
+            self._within(text, limit)
         ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def _within(self, text: str, limit: int) -> None:
+        """Encode `text` piece by piece, each cut before a space (where byte-level and SentencePiece vocabularies
+        end a token anyway, so the pieces' counts add up to the whole's), until more than `limit` tokens are seen."""
+        count, start = 0, 0
+        while start < len(text):
+            end = start + PIECE_CHARS
+            if end < len(text):
+                space = text.rfind(" ", start + PIECE_CHARS // 2, end)
+                end = space if space > start else end
+            count += len(self._tok.encode_batch([text[start:end]], add_special_tokens=False)[0].ids)
+            if count > limit:
+                raise TooManyTokens(limit, count, end)
+            start = end
 
     def pieces(self, text: str) -> list[tuple[int, str]]:
         """(id, the exact substring of `text` it covers): what Day 02's text box shows."""

@@ -152,6 +152,34 @@ def test_a_grammar_nothing_can_match_is_refused_up_front(model, tok):
     engine.check_idle()
 
 
+def test_a_grammar_past_the_librarys_limits_is_refused_before_its_prefill(model, tok):
+    """10,000 choices pass llguidance's compiler and its first mask, and break its parser's limit (2,000 items a
+    row) at the first token it consumes: `check_request` takes that token, so the request is refused naming the
+    field it came from, before any step spends its prefill."""
+    engine = LLMEngine(model, tok, num_blocks=64)
+    many = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(
+        choice=[f"item number {i} of the list" for i in range(10_000)]))
+    with pytest.raises(GrammarError, match="guided_choice: the grammar library cannot follow this choice: .*items"):
+        engine.check_request(tok.encode("Pick one: "), many, "guided_choice")
+    assert engine.steps == 0 and not engine.has_unfinished_requests()
+
+
+def test_a_token_a_grammar_refuses_mid_output_is_named_with_its_reason(model, tok, compiler):
+    """Past the admission checks, a token the grammar cannot take ends its request with the library's reason and
+    the constraint's kind, not a request field (the engine does not know which one a server's client sent)."""
+    engine = LLMEngine(model, tok, num_blocks=64)
+    rid = engine.add_request(tok.encode("Pick one: "), SamplingParams(temperature=0, max_tokens=8))
+    engine.requests[rid].matcher = compiler.matcher(StructuredOutputsParams(
+        choice=[f"item number {i} of the list" for i in range(10_000)]), "guided_choice")
+    while engine.has_unfinished_requests():
+        engine.step()
+    failed = engine.requests[rid]
+    assert failed.finish_reason.value == "error" and failed.output_token_ids == []
+    assert "broke the output's choice constraint" in failed.error and "items" in failed.error
+    assert "guided_choice" not in failed.error
+    engine.check_idle()
+
+
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},

@@ -17,13 +17,13 @@ def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int, m
         raise ValueError(f"prompt is text ({prompt_ids[:20]!r}), not token ids: encode it with the tokenizer first")
     if len(prompt_ids) == 0:
         raise ValueError("prompt is empty: at least one token is needed to produce logits")
-    not_ids = [i for i in prompt_ids if not _is_token_id(i)]
-    if not_ids:
-        raise ValueError(f"prompt holds values that are not token ids (integers): {not_ids[:5]}")
-    if len(prompt_ids) + max_tokens > max_context:
+    if len(prompt_ids) + max_tokens > max_context:  # first: a prompt of a million ids is refused without a walk
         room = ("leaving no room to generate" if max_tokens == 1 else
                 f"leaving room for {max(0, max_context - len(prompt_ids))} of the {max_tokens} tokens to generate")
         raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}, {room}")
+    not_ids = [i for i in prompt_ids if not _is_token_id(i)]
+    if not_ids:
+        raise ValueError(f"prompt holds values that are not token ids (integers): {not_ids[:5]}")
     bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")

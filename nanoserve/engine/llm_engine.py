@@ -121,9 +121,8 @@ class LLMEngine:
         bad = [i for i in params.stop_token_ids if i >= cfg.vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids={bad[:5]}: outside the vocabulary [0, {cfg.vocab_size})")
-        if params.structured_outputs is not None:  # compile (and keep) the grammar, and take its first step: a
-            self._matcher(params, field).fill(torch.empty(words(cfg.vocab_size), dtype=torch.int32))  # language with
-            # no string in it shows only there
+        if params.structured_outputs is not None:  # compile (and keep) the grammar, take its first step and token
+            self._matcher(params, field).check_start()
         if params.n > sched.max_num_seqs:
             raise ValueError(f"SamplingParams.n={params.n}: the samples of a request run together, and at most "
                              f"max_num_seqs={sched.max_num_seqs} run at once")

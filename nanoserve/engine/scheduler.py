@@ -272,7 +272,8 @@ class Scheduler:
             return seq.output(new, text)
         for t in tokens:
             if seq.matcher is not None and not seq.matcher.consume(t):
-                seq.error = f"token {t} broke the grammar of {seq.matcher.field}"
+                seq.error = f"token {t} broke the output's {seq.matcher.kind} constraint: " \
+                            f"{seq.matcher.error or 'the grammar does not allow it'}"
                 seq.finish_time = now
                 self.finish(seq, FinishReason.ERROR, step)
                 return seq.output(new, text)

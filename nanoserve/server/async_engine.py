@@ -12,6 +12,15 @@ engine after startup, so the engine needs no locks.
 A handler that stops reading (its client went away) closes the iterator, which sends an abort: the
 request's blocks go back to the pool at the next step.
 
+What runs where, and what waits for what: the engine's thread runs each step, its forward on torch's threads
+(one per core the engine is given); the compiled step and the large products let go of Python's GIL while they
+compute, as torch's own ops do. uvicorn's event loop (another thread) answers /health, reads bodies, validates them
+and streams tokens meanwhile: on a machine with no core to spare it takes its turn on the forward's cores, and it
+waits for the GIL only while the engine thread runs Python between forwards (scheduling, sampling, bookkeeping).
+Prompts are tokenized and requests checked in a few prepare threads (`serving`), the tokenizer also without the
+GIL. `python -m nanoserve bench stall` measures how late a 5 ms timer and /health are through a long prefill
+and a full batch's steps.
+
 `python -m nanoserve serve` steps the engine in the process's main thread (`run`) and answers HTTP from
 another. torch's OpenMP workers belong to the thread that first ran parallel work, and the main thread
 has (loading the model); a second stepping thread would start a second set of workers, and with more
@@ -113,11 +122,12 @@ class AsyncEngine:
 
     # ---- the asyncio side ----------------------------------------------------------------------------
 
-    def check(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
-        """Refuse (ValueError) what no step could ever serve, before anything is queued."""
+    def check(self, prompt_ids: Sequence[int], params: SamplingParams, field: str = "structured_outputs") -> None:
+        """Refuse (ValueError) what no step could ever serve, before anything is queued (`LLMEngine.check_request`;
+        a grammar's error names `field`). Safe from any thread: it reads the engine's configuration only."""
         if self.draining:
             raise EngineDraining("the server is shutting down and takes no new requests")
-        self.engine.check_request(prompt_ids, params)
+        self.engine.check_request(prompt_ids, params, field)
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[StepOutput]:

@@ -36,10 +36,14 @@ class BadRequest(ValueError):
         self.param, self.status = param, status
 
 
+_PLAIN = {int, float, bool, type(None)}
+
+
 def check_json(data: Any) -> None:
     """Refuse what would break later steps inside a body already parsed: text that is not Unicode (a lone
     surrogate such as "\\ud800" cannot be encoded, so no tokenizer takes it) and nesting deeper than MAX_DEPTH.
-    Iterative, so it never recurses as deep as the body does."""
+    Iterative, so it never recurses as deep as the body does; a list of numbers, or of text that encodes whole,
+    is passed over at C speed (a body of a million token ids is checked in milliseconds, on the event loop)."""
     stack = [(data, ())]
     while stack:
         value, path = stack.pop()
@@ -52,7 +56,18 @@ def check_json(data: Any) -> None:
                 _check_text(str(k), path)
                 stack.append((v, (*path, k)))
         elif isinstance(value, list):
-            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+            kinds = set(map(type, value))
+            if len(path) < MAX_DEPTH and (kinds <= _PLAIN or (kinds == {str} and _encodes("".join(value)))):
+                continue  # nothing inside to refuse
+            stack.extend((v, (*path, i)) for i, v in enumerate(value) if type(v) not in _PLAIN)
+
+
+def _encodes(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_text(s: str, path: tuple) -> None:

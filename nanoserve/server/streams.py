@@ -4,12 +4,13 @@ collected whole while the client is watched (`collect`), or sent as server-sent 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
 from ..engine import StepOutput
+from ..engine.outputs import CompletionOutput, RequestOutput
 from .async_engine import AsyncEngine
 from .responses import finish_reason
 
@@ -21,10 +22,10 @@ class RequestFailed(RuntimeError):
 
 
 class Streamed(StreamingResponse):
-    """A streaming response that lets its admitted sequences go when it ends, however it ends (finished, the
-    client gone, or never started)."""
+    """A streaming response that lets its admitted sequences go (`release`) when it ends, however it ends
+    (finished, the client gone, or never started)."""
 
-    def __init__(self, content, release):
+    def __init__(self, content, release: Callable[[], None] | None = None):
         super().__init__(content, media_type="text/event-stream")
         self.release = release
 
@@ -32,7 +33,8 @@ class Streamed(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.release()
+            if self.release is not None:
+                self.release()
 
 
 async def merged(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]],
@@ -79,21 +81,21 @@ async def merged(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]
 
 
 async def collect(async_engine: AsyncEngine, jobs: Sequence[tuple[list[int], Any]], rid: str,
-                  request) -> list[dict] | None:
-    """Run every job to its end; None if the client disconnected first (its requests are then aborted)."""
-    results = [{"text": "", "ids": [], "finish": None, "output": 0, "logprobs": [], "prompt_logprobs": None,
-                "cached": 0} for _, p in jobs for _ in range(p.n)]
+                  request) -> list[RequestOutput] | None:
+    """Run every job to its end: one RequestOutput per job, its samples in `outputs`; None if the client
+    disconnected first (its requests are then aborted)."""
+    results = [RequestOutput(f"{rid}-{j}", None, list(ids), [CompletionOutput(i, "", []) for i in range(p.n)])
+               for j, (ids, p) in enumerate(jobs)]
+    n = jobs[0][1].n
 
     async def run() -> None:
         async for i, d in merged(async_engine, jobs, rid):
-            r = results[i]
-            r["text"] += d.new_text
-            r["ids"] += d.new_token_ids
-            r["logprobs"] += d.logprobs or []
+            r = results[i // n]
+            r.outputs[i % n].add(d)
             if d.prompt_logprobs is not None:
-                r["prompt_logprobs"] = d.prompt_logprobs
-            if d.finished:
-                r["finish"], r["output"], r["cached"] = d.finish_reason, d.num_output_tokens, d.num_cached_tokens
+                r.prompt_logprobs = d.prompt_logprobs
+            if d.finished and d.index == 0:
+                r.num_cached_tokens = d.num_cached_tokens
 
     task = asyncio.create_task(run())
     while not task.done():
