@@ -262,7 +262,7 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
         prompts = body.prompts()
         structured = body.structured()
         k, n, echo = body.logprobs, body.n, body.echo
-        release = admission.take(len(prompts) * n)
+        release = admission.take(len(prompts), n)
         try:
             jobs = await prepared(prompts, body, "prompt", 1 if body.echo_only else body.max_tokens,
                                   defaults.get("max_tokens", 16), structured, k if echo else None)
@@ -346,7 +346,7 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
                              "messages")
         structured = body.structured()
         k = body.logprobs_wanted()
-        release = admission.take(body.n)
+        release = admission.take(1, body.n)
         try:
             try:
                 text = await asyncio.get_running_loop().run_in_executor(prepare_pool, tokenizer.apply_chat_template,

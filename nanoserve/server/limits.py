@@ -85,9 +85,13 @@ class Admission:
     def __init__(self, capacity: int, per_request: int):
         self.capacity, self.per_request, self.held = capacity, per_request, 0
 
-    def take(self, n: int) -> Callable[[], None]:
-        """Admit n sequences; returns the function that lets them go (calling it twice is harmless)."""
+    def take(self, prompts: int, n: int = 1) -> Callable[[], None]:
+        """Admit prompts x n sequences; returns the function that lets them go (calling it twice is harmless).
+        Past the per-request limit the 400 names `n` when n alone is too many, else `prompt`."""
         limit = min(self.capacity, self.per_request)
+        if n > limit:
+            raise BadRequest(f"n={n} samples are more than the {limit} sequences one request may ask for", "n")
+        n *= prompts
         if n > limit:
             raise BadRequest(f"this request asks for {n} sequences (prompts x n); at most {limit} per request",
                              "prompt")

@@ -54,6 +54,16 @@ def test_the_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_a_too_large_n_is_blamed_on_n(tiny):
+    srv, _, _ = tiny
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "n": 5}, headers=AUTH), 400, "n")
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 5},
+                   headers=AUTH)
+    is_openai_error(r, 400, "n")
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2},
+                               headers=AUTH), 400, "prompt")
+
+
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_API_KEY", "from-env")
     ap = argparse.ArgumentParser()

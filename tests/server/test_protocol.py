@@ -82,6 +82,18 @@ def test_strict_types_still_take_every_valid_form():
     assert body.sampling_params(4).seed == 2 ** 64 - 1
 
 
+def test_a_too_large_n_is_blamed_on_n_and_too_many_prompts_on_prompt():
+    a = Admission(capacity=8, per_request=4)
+    with pytest.raises(BadRequest) as e:
+        a.take(1, 5)
+    assert e.value.param == "n" and "n=5" in str(e.value)
+    with pytest.raises(BadRequest) as e:
+        a.take(3, 2)
+    assert e.value.param == "prompt"
+    a.take(2, 2)()
+    assert a.held == 0
+
+
 def test_max_tokens_zero_is_for_echo_alone():
     body = CompletionRequest(prompt="x", max_tokens=0, echo=True, logprobs=1)
     body.refuse_unsupported()
