@@ -105,7 +105,8 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
         async_engine.stop()
         prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url="/docs" if config.docs else None,
+                  redoc_url="/redoc" if config.docs else None)  # their pages load scripts from a CDN: --docs
     app.state.server_config, app.state.drain, app.state.loop = config, drain, None
     app.add_middleware(Guard, config=config, draining=lambda: async_engine.draining)
 

@@ -46,6 +46,7 @@ class ServerConfig:
     keep_alive_timeout_s: float = 5.0  # an idle keep-alive connection is closed after this
     shutdown_timeout_s: float = 30.0  # on SIGTERM, how long requests in flight may take to finish
     retry_after_s: int = 5  # what a 503 asks the client to wait
+    docs: bool = False  # FastAPI's /docs and /redoc pages (they load their scripts from a CDN)
 
     @staticmethod
     def add_cli_arguments(ap: argparse.ArgumentParser) -> None:
@@ -65,13 +66,17 @@ class ServerConfig:
                         help="seconds a request's body may take to arrive (then 408)")
         ap.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                         help="on SIGTERM, seconds requests in flight may take to finish (then they end with an error)")
+        ap.add_argument("--docs", action="store_true",
+                        help="serve FastAPI's /docs and /redoc pages (off by default: they load unpinned scripts "
+                             "and fonts from a CDN); /openapi.json is always served")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> ServerConfig:
         return cls(host=args.host, api_key=args.api_key or None, allowed_hosts=tuple(args.allowed_hosts),
                    max_queued_requests=args.max_queued_requests, max_prompts_per_request=args.max_prompts_per_request,
                    max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
-                   body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout)
+                   body_timeout_s=args.body_timeout, shutdown_timeout_s=args.shutdown_timeout,
+                   docs=args.docs)
 
 
 class Busy(RuntimeError):

@@ -64,6 +64,21 @@ def test_a_too_large_n_is_blamed_on_n(tiny):
                                headers=AUTH), 400, "prompt")
 
 
+def test_fastapis_doc_pages_are_off_unless_asked_for(tiny, vocab_model, tok):
+    """/docs and /redoc load unpinned scripts from a CDN: 404 by default, served with --docs (and open, as
+    static pages a browser opens without a key)."""
+    srv, _, _ = tiny
+    for path in ("/docs", "/redoc"):
+        is_openai_error(httpx.get(srv.url + path, headers=AUTH), 404)
+    with tiny_server(vocab_model, tok, ServerConfig(api_key=KEY, docs=True)) as (docs, _, _):
+        for path in ("/docs", "/redoc"):
+            r = httpx.get(docs.url + path)
+            assert r.status_code == 200 and "openapi.json" in r.text
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert not ServerConfig.from_cli(ap.parse_args([])).docs and ServerConfig.from_cli(ap.parse_args(["--docs"])).docs
+
+
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_API_KEY", "from-env")
     ap = argparse.ArgumentParser()
