@@ -17,7 +17,7 @@ import pytest
 from servers import AUTH, KEY, tiny_server
 
 from nanoserve.server.limits import ServerConfig, host_name
-from nanoserve.server.serve import add_arguments
+from nanoserve.server.serve import add_arguments, exposure_warning
 
 
 def is_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -122,6 +122,14 @@ def test_a_post_body_that_is_not_json_is_a_415(tiny, kind, content):
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
                    headers={**AUTH, "content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200
+
+
+def test_serve_warns_when_it_binds_beyond_loopback_without_a_key():
+    assert exposure_warning(ServerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(ServerConfig(host="::1")) is None
+    assert exposure_warning(ServerConfig(host="0.0.0.0", api_key="k")) is None
+    line = exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert line is not None and "0.0.0.0" in line and "--api-key" in line and "\n" not in line
 
 
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
