@@ -6,6 +6,7 @@ vocabulary (only HTTP matters here)."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import socket
 import threading
@@ -130,6 +131,37 @@ def test_serve_warns_when_it_binds_beyond_loopback_without_a_key():
     assert exposure_warning(ServerConfig(host="0.0.0.0", api_key="k")) is None
     line = exposure_warning(ServerConfig(host="0.0.0.0"))
     assert line is not None and "0.0.0.0" in line and "--api-key" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": [[False]]}, "prompt"),
+                                         ({"prompt": "Hi", "stream": "yes"}, "stream"),
+                                         ({"prompt": "Hi", "max_tokens": 1.0}, "max_tokens"),
+                                         ({"prompt": "Hi", "n": True}, "n"),
+                                         ({"prompt": "Hi", "stream_options": {"include_usage": 1}}, "stream_options")])
+def test_loose_types_are_400s_naming_the_field(tiny, body, param):
+    srv, _, _ = tiny
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH), 400, param)
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1})
+    is_openai_error(r, 400, "logprobs")
+
+
+def test_the_largest_seed_with_n_samples_is_served_and_the_connection_goes_on(vocab_model, tok):
+    """seed 2**64 - 1 with n 4 seeded its samples past 64 bits: a 500, and a broken keep-alive connection."""
+    with tiny_server(vocab_model, tok) as (srv, _, _):
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        headers = {**AUTH, "content-type": "application/json"}
+        try:
+            for body in ({"prompt": "Hi", "max_tokens": 3, "n": 4, "seed": 2 ** 64 - 1, "temperature": 1},
+                         {"prompt": "Hi", "max_tokens": 2}):
+                conn.request("POST", "/v1/completions", json.dumps(body), headers)
+                r = conn.getresponse()
+                got = json.loads(r.read())
+                assert r.status == 200, got
+                assert len(got["choices"]) == body.get("n", 1)
+        finally:
+            conn.close()
 
 
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
