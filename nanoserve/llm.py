@@ -8,7 +8,7 @@
 A prompt is text, `{"prompt_token_ids": [...]}` or (through `LLM.chat`) a list of chat messages.
 Every prompt of a call becomes a request of one `LLMEngine`, so the call is continuously batched.
 `SamplingParams.n` asks for several samples of one prompt: the engine computes the prompt once and
-forks its blocks for the other samples (sample i seeded seed + i).
+forks its blocks for the other samples (sample i seeded (seed + i) mod 2**64).
 """
 
 from __future__ import annotations

@@ -431,3 +431,32 @@ def test_one_kernel_call_reads_what_logprobs_need_as_torch_does(compiled, V):
         kernels.logprob_rows(x, torch.full((R,), -1), 1)
     with pytest.raises(RuntimeError, match="k: expected 1 <= k"):
         kernels.logprob_rows(x, tokens, V + 1)
+
+
+# ---------------------------------------------------------------- seeds of n samples
+
+def test_n_samples_of_the_largest_seed_wrap_into_64_bits_and_match_their_solo_runs(tiny_model):
+    """Sample i is seeded (seed + i) mod 2**64: seed 2**64 - 1 with n=3 seeds its samples 2**64 - 1, 0 and 1
+    (seed + 1 used to overflow SamplingParams and fail the request), each drawing what a request alone with
+    that seed draws."""
+    from nanoserve.engine import LLMEngine
+    from nanoserve.engine.llm_engine import sample_seed
+
+    top = (1 << 64) - 1
+    assert [sample_seed(top, i) for i in range(3)] == [top, 0, 1] and sample_seed(None, 2) is None
+    params = dict(temperature=1.0, max_tokens=5, ignore_eos=True)
+    engine = LLMEngine(tiny_model, num_blocks=32, block_size=4)
+    rid = engine.add_request([3, 4, 5], SamplingParams(**params, seed=top, n=3))
+    samples: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            samples.setdefault(out.index, []).extend(out.new_token_ids)
+    assert [s.params.seed for s in engine.sequences(rid)] == [top, 0, 1]
+    for i, seed in enumerate((top, 0, 1)):
+        alone = LLMEngine(tiny_model, num_blocks=32, block_size=4)
+        one = alone.add_request([3, 4, 5], SamplingParams(**params, seed=seed))
+        tokens = []
+        while alone.has_unfinished_requests():
+            tokens += [t for out in alone.step() if out.request_id == one for t in out.new_token_ids]
+        assert samples[i] == tokens, i

@@ -36,7 +36,7 @@ from ..config import EngineConfig
 from ..kv.blocks import BlockManager, RequestTooLarge
 from ..kv.storage import KVStorage
 from ..model import Llama
-from ..sampling import INVALID, SamplingParams, logprobs_of, sample
+from ..sampling import INVALID, SEED_BITS, SamplingParams, logprobs_of, sample
 from ..structured import GrammarCompiler, GrammarError, words
 from ..tokenizer import Tokenizer
 from .checks import check_prompt
@@ -46,6 +46,12 @@ from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerOutput
 from .spec import NgramIndex
 from .threads import ThreadPolicy
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed of a request seeded `seed`: seed + index, wrapped into 64 bits so that every seed a
+    request may give (up to 2**64 - 1) stays one for all its samples: sample_seed(2**64 - 1, 1) == 0."""
+    return None if seed is None else (seed + index) % (1 << SEED_BITS)
 
 
 @dataclass
@@ -152,7 +158,8 @@ class LLMEngine:
                     request_id: str | None = None) -> str:
         """Queue a prompt (text, with a tokenizer, or token ids); returns its id. What no step could ever
         serve is refused at once (`check_request`); the requests already queued are untouched. With
-        params.n > 1 the request is n sequences, sample i seeded seed + i, computing the prompt once."""
+        params.n > 1 the request is n sequences, sample i seeded (seed + i) mod 2**64 (a seed near the top of
+        its range wraps, as torch wraps a negative one), computing the prompt once."""
         params = params if params is not None else SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -168,7 +175,7 @@ class LLMEngine:
         eos, now = self.model.cfg.eos_token_id, self.clock()
         seqs = []
         for i in range(params.n):
-            p = params if params.n == 1 else replace(params, seed=None if params.seed is None else params.seed + i)
+            p = params if params.n == 1 else replace(params, seed=sample_seed(params.seed, i))
             seqs.append(Request(rid, list(prompt), p, max_new, eos, self.tokenizer, arrival_time=now, index=i,
                                 seq_id=rid if params.n == 1 else f"{rid}/{i}",
                                 matcher=self._matcher(p) if p.structured_outputs is not None else None))

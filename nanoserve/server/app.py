@@ -56,8 +56,9 @@ from .serving import ServingChat, ServingCompletion
 
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in (
     (400, "bad input (the field is named in error.param), or a Host this server does not answer"),
-    (401, "a missing or wrong API key"), (404, "an unknown model"), (408, "the body arrived too slowly"),
-    (413, "the body is too large"), (503, "the server is full or shutting down (see Retry-After)"))}
+    (401, "a missing or wrong API key"), (403, "a request from a web page of another origin"),
+    (404, "an unknown model"), (408, "the body arrived too slowly"), (413, "the body is too large"),
+    (415, "a body that is not application/json"), (503, "the server is full or shutting down (see Retry-After)"))}
 PREPARE_THREADS = 4  # requests tokenized and checked at once (the tokenizer lets go of the GIL)
 STREAM = {200: {"content": {"application/json": {}, "text/event-stream": {}},
                 "description": "the completion, or with stream: true its server-sent events"}}
@@ -101,7 +102,8 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
         async_engine.stop()
         prepare_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="nanoserve", lifespan=lifespan)
+    app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url="/docs" if config.docs else None,
+                  redoc_url="/redoc" if config.docs else None)  # their pages load scripts from a CDN: --docs
     app.state.server_config, app.state.drain, app.state.loop = config, drain, None
     app.add_middleware(Guard, config=config, draining=lambda: async_engine.draining)
 

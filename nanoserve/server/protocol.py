@@ -4,8 +4,10 @@ Field names and defaults are OpenAI's; vLLM's extensions that the engine support
 min_p, repetition_penalty, stop_token_ids, ignore_eos, return_token_ids, and structured outputs as
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` or `structured_outputs`). Unknown fields
 are ignored, as OpenAI-compatible servers do; a known field of the wrong type, or a value out of range, is a
-400 naming it. Options the engine does not implement (best_of, suffix, logit_bias, tools) are refused with a
-400 that says so, rather than silently ignored.
+400 naming it. Types are strict where coercion would change the meaning, as OpenAI's are: a bool is only
+true/false (not "yes", not 1), a count or token id only an integer (not 1.0, not false); a float field takes
+an integer (temperature 1) but not a string or a bool. Options the engine does not implement (best_of,
+suffix, logit_bias, tools) are refused with a 400 that says so, rather than silently ignored.
 
 Sampling fields a request leaves out take the model's recommended values (its generation_config.json, as
 vLLM does), else OpenAI's (temperature 1, top_p 1): `sampling_params(max_tokens, defaults)`.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from ..sampling import MAX_LOGPROBS, SamplingParams
 from ..structured import StructuredOutputsParams
@@ -88,7 +90,7 @@ def _top(path: tuple) -> str | None:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):
@@ -99,7 +101,7 @@ class JsonSchemaFormat(BaseModel):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -118,32 +120,33 @@ class StructuredOutputsRequest(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: StrictBool | None = None
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
-    temperature: float | None = Field(default=None, ge=0.0, description="below 1e-5: greedy")
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, description="below 1e-5: greedy")
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt = Field(default=1, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
-    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: StrictInt | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1],
+                                   description="sample i of n is seeded (seed + i) mod 2**64")
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
     # vLLM's extensions
-    top_k: int | None = Field(default=None, ge=-1)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, ge=0.01, le=10.0)
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: StrictFloat | None = Field(default=None, ge=0.01, le=10.0)
+    stop_token_ids: list[StrictInt] | None = None
+    ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -198,8 +201,8 @@ class _Common(BaseModel):
     def sampling_params(self, max_tokens: int, defaults: dict[str, Any] | None = None,
                         structured: StructuredOutputsParams | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters for the request's n samples (the engine seeds sample i with seed + i). A
-        sampling field the request leaves out takes `defaults` (the model's), else OpenAI's."""
+        """The engine's parameters for the request's n samples (the engine seeds sample i with (seed + i) mod
+        2**64). A sampling field the request leaves out takes `defaults` (the model's), else OpenAI's."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         chosen = {name: getattr(self, name) if getattr(self, name) is not None
                   else (defaults or {}).get(name, value) for name, value in OPENAI_DEFAULTS.items()}
@@ -232,11 +235,11 @@ class CompletionRequest(_Common):
         {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
         {"prompt": "The capital of France is", "max_tokens": 1, "logprobs": 2, "echo": True}]})
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=0, description="0 only with echo: score the prompt alone")
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = Field(default=None, ge=0, description="0 only with echo: score the prompt alone")
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def prompts(self) -> list[str | list[int]]:
@@ -300,10 +303,10 @@ class ChatCompletionRequest(_Common):
          "logprobs": True, "top_logprobs": 2}]})
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
 
     def conversation(self) -> list[dict[str, str]]:

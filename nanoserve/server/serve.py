@@ -2,13 +2,16 @@
 
 The process's main thread steps the engine (`AsyncEngine` says why) while uvicorn answers HTTP from a thread of
 its own. SIGTERM or SIGINT drains: new requests are answered 503 while those in flight get --shutdown-timeout
-to finish (then end with an error event), and the process exits 0; a second signal stops at once.
+to finish (then end with an error event), and the process exits 0; a second signal stops at once and exits
+128 + its number (130 for SIGINT, 143 for SIGTERM), as a shell reports a process a signal ended.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ from ..config import EngineConfig, generation_defaults
 from ..engine import LLMEngine
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine
-from .limits import ServerConfig, TimedH11Protocol
+from .limits import ServerConfig, TimedH11Protocol, is_loopback
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -44,6 +47,15 @@ def threads_arg(text: str) -> int | str:
     return n
 
 
+def exposure_warning(config: ServerConfig) -> str | None:
+    """The line `serve` prints to stderr when it answers beyond this machine and anyone who reaches it may use
+    it (no --api-key); None when bound to loopback or given a key."""
+    if is_loopback(config.host) or config.api_key is not None:
+        return None
+    return (f"nanoserve: warning: bound to {config.host} without --api-key: anyone who can reach this address "
+            f"may use the model and its admin routes")
+
+
 def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
     """The engine `serve` steps, configured from its command line (`EngineConfig.from_cli`, and --threads)."""
     config = EngineConfig.from_cli(args)
@@ -54,7 +66,8 @@ def make_engine(model, tok: Tokenizer, args: argparse.Namespace) -> LLMEngine:
 def run(args: argparse.Namespace) -> int:
     """Load the model, build the app, serve until a signal: uvicorn answers HTTP in a thread while this (the
     main) thread steps the engine (`AsyncEngine` says why). SIGTERM or SIGINT drains (new requests 503, those
-    in flight get --shutdown-timeout to finish), then exits 0; a second signal stops at once."""
+    in flight get --shutdown-timeout to finish), then exits 0; a second signal stops at once and exits
+    128 + its number, with no traceback."""
     import signal
 
     from ..model.fetch import ensure_model
@@ -65,11 +78,17 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or folder.name
     engine = make_engine(model, tok, args)
     async_engine = AsyncEngine(engine, own_thread=False)
-    app = build_app(async_engine, tok, name, ServerConfig.from_cli(args), generation_defaults(folder))
+    config = ServerConfig.from_cli(args)
+    app = build_app(async_engine, tok, name, config, generation_defaults(folder))
     server = ServerThread(app, args.host, args.port, args.log_level)
+    forced: list[int] = []  # the signal that forced the stop
 
     def on_signal(signum, frame) -> None:
         if server.stopping:  # as uvicorn's own handler: a second signal stops without waiting
+            forced.append(signum)
+            # uvicorn then cancels the tasks it no longer waits for (the app's lifespan, streams): not errors
+            for logger in ("uvicorn.error", "asyncio"):
+                logging.getLogger(logger).setLevel(logging.CRITICAL + 1)
             async_engine.fail_all("the server was stopped")
             server.server.should_exit = server.server.force_exit = True
         else:
@@ -77,11 +96,15 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    if (warning := exposure_warning(config)) is not None:
+        print(warning, file=sys.stderr, flush=True)
     server.thread.start()
     print(f"nanoserve: serving {name} on http://{args.host}:{args.port}/v1 ({args.weights} weights, "
           f"{engine.manager.num_blocks} KV blocks)", flush=True)
     async_engine.run(keep_going=server.thread.is_alive)  # until the app's shutdown stops it, or uvicorn exits
     server.thread.join()
+    if forced:
+        return 128 + forced[0]
     return 0 if server.server.started else 1
 
 

@@ -99,10 +99,11 @@ class OpenAIServing:
             raise EngineDraining("the server is shutting down and takes no new requests")
         return jobs
 
-    async def respond(self, sequences: int, field: str | None, answer: Callable[[], Awaitable[Any]]) -> Any:
-        """Admit `sequences`, run `answer`, and turn what failed once running into OpenAI's error shape. A stream
-        returned by `answer` takes the admission with it (let go when the stream ends, however it ends)."""
-        release = self.admission.take(sequences)
+    async def respond(self, prompts: int, n: int, field: str | None, answer: Callable[[], Awaitable[Any]]) -> Any:
+        """Admit `prompts` x `n` sequences, run `answer`, and turn what failed once running into OpenAI's error
+        shape. A stream returned by `answer` takes the admission with it (let go when the stream ends, however it
+        ends)."""
+        release = self.admission.take(prompts, n)
         try:
             result = await answer()
             if isinstance(result, Streamed):
@@ -154,7 +155,7 @@ class ServingCompletion(OpenAIServing):
         body.refuse_unsupported()
         prompts, structured = body.prompts(), body.structured()
         field = structured[1] if structured else None
-        return await self.respond(len(prompts) * body.n, field,
+        return await self.respond(len(prompts), body.n, field,
                                   lambda: self._answer(body, request, prompts, structured, field))
 
     async def _answer(self, body: CompletionRequest, request: Request, prompts: list[str | list[int]],
@@ -230,7 +231,8 @@ class ServingChat(OpenAIServing):
         conversation = body.conversation()
         structured = body.structured()
         field = structured[1] if structured else None
-        return await self.respond(body.n, field, lambda: self._answer(body, request, conversation, structured, field))
+        return await self.respond(1, body.n, field,
+                                  lambda: self._answer(body, request, conversation, structured, field))
 
     async def _answer(self, body: ChatCompletionRequest, request: Request, conversation: list[dict[str, str]],
                       structured: tuple[StructuredOutputsParams, str] | None, field: str | None) -> Any:

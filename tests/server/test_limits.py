@@ -1,10 +1,12 @@
 """The server's limits, each answered in OpenAI's error shape while the rest is served: the API key, the Host
-allow-list, the body's size and deadline, the headers' deadline, the bound on work in flight, draining, and the
-OpenAPI schema that documents them. On a random model with SmolLM2's vocabulary (only HTTP matters here)."""
+and Origin allow-lists, a POST's Content-Type, the body's size and deadline, the headers' deadline, the bound
+on work in flight, draining, and the OpenAPI schema that documents them. On a random model with SmolLM2's
+vocabulary (only HTTP matters here)."""
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import socket
 import threading
@@ -16,7 +18,7 @@ import pytest
 from servers import AUTH, KEY, tiny_server
 
 from nanoserve.server.limits import ServerConfig, host_name
-from nanoserve.server.serve import add_arguments
+from nanoserve.server.serve import add_arguments, exposure_warning
 
 
 def is_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -54,6 +56,114 @@ def test_the_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_a_too_large_n_is_blamed_on_n(tiny):
+    srv, _, _ = tiny
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "n": 5}, headers=AUTH), 400, "n")
+    r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 5},
+                   headers=AUTH)
+    is_openai_error(r, 400, "n")
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2},
+                               headers=AUTH), 400, "prompt")
+
+
+def test_fastapis_doc_pages_are_off_unless_asked_for(tiny, vocab_model, tok):
+    """/docs and /redoc load unpinned scripts from a CDN: 404 by default, served with --docs (and open, as
+    static pages a browser opens without a key)."""
+    srv, _, _ = tiny
+    for path in ("/docs", "/redoc"):
+        is_openai_error(httpx.get(srv.url + path, headers=AUTH), 404)
+    with tiny_server(vocab_model, tok, ServerConfig(api_key=KEY, docs=True)) as (docs, _, _):
+        for path in ("/docs", "/redoc"):
+            r = httpx.get(docs.url + path)
+            assert r.status_code == 200 and "openapi.json" in r.text
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    assert not ServerConfig.from_cli(ap.parse_args([])).docs and ServerConfig.from_cli(ap.parse_args(["--docs"])).docs
+
+
+def test_the_api_key_guards_every_route_but_health_metrics_and_the_schema(tiny):
+    """/reset_prefix_cache is an admin route: under --api-key it needs the key like /v1/*, and so does a path
+    that does not exist (a client without the key learns nothing of the routes)."""
+    srv, _, _ = tiny
+    for method, path in (("POST", "/reset_prefix_cache"), ("GET", "/v2/nothing")):
+        assert is_openai_error(httpx.request(method, srv.url + path), 401)["code"] == "invalid_api_key"
+    r = httpx.post(srv.url + "/reset_prefix_cache", headers=AUTH)  # no body, as vLLM's users send it
+    assert r.status_code == 200 and r.json() == {"reset": True}
+    assert httpx.get(srv.url + "/openapi.json").status_code == 200  # open: clients read it before they call
+
+
+@pytest.mark.parametrize("origin, allowed", [("http://localhost:3000", True), ("http://127.0.0.1:8000", True),
+                                             ("http://[::1]", True), ("https://evil.example", False),
+                                             ("null", False), ("http://localhost.evil.example", False)])
+def test_a_request_from_a_web_page_elsewhere_is_a_403(tiny, origin, allowed):
+    """A page on evil.example can make the user's browser POST to a loopback server without asking (a simple
+    request); the browser names the page in Origin, and only this server's own names are served."""
+    srv, _, _ = tiny
+    headers = {**AUTH, "origin": origin}
+    for r in (httpx.post(srv.url + "/reset_prefix_cache", headers=headers),
+              httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, headers=headers)):
+        if allowed:
+            assert r.status_code == 200, r.text
+        else:
+            assert is_openai_error(r, 403)["code"] == "origin_not_allowed"
+
+
+@pytest.mark.parametrize("kind, content", [("text/plain", '{"prompt": "Hi", "max_tokens": 1}'),
+                                           ("application/x-www-form-urlencoded", "prompt=Hi"),
+                                           ("multipart/form-data; boundary=x", "--x--"),
+                                           (None, '{"prompt": "Hi", "max_tokens": 1}')])
+def test_a_post_body_that_is_not_json_is_a_415(tiny, kind, content):
+    """text/plain and forms are what a page may send cross-origin without a preflight; OpenAI's clients send
+    application/json. A JSON body sent as text/plain used to be served."""
+    srv, _, _ = tiny
+    headers = AUTH if kind is None else {**AUTH, "content-type": kind}
+    for path in ("/v1/completions", "/reset_prefix_cache"):
+        r = httpx.post(srv.url + path, content=content.encode(), headers=headers)
+        assert is_openai_error(r, 415)["code"] == "unsupported_media_type"
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                   headers={**AUTH, "content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_serve_warns_when_it_binds_beyond_loopback_without_a_key():
+    assert exposure_warning(ServerConfig(host="127.0.0.1")) is None
+    assert exposure_warning(ServerConfig(host="::1")) is None
+    assert exposure_warning(ServerConfig(host="0.0.0.0", api_key="k")) is None
+    line = exposure_warning(ServerConfig(host="0.0.0.0"))
+    assert line is not None and "0.0.0.0" in line and "--api-key" in line and "\n" not in line
+
+
+@pytest.mark.parametrize("body, param", [({"prompt": [[False]]}, "prompt"),
+                                         ({"prompt": "Hi", "stream": "yes"}, "stream"),
+                                         ({"prompt": "Hi", "max_tokens": 1.0}, "max_tokens"),
+                                         ({"prompt": "Hi", "n": True}, "n"),
+                                         ({"prompt": "Hi", "stream_options": {"include_usage": 1}}, "stream_options")])
+def test_loose_types_are_400s_naming_the_field(tiny, body, param):
+    srv, _, _ = tiny
+    is_openai_error(httpx.post(srv.url + "/v1/completions", json=body, headers=AUTH), 400, param)
+    r = httpx.post(srv.url + "/v1/chat/completions", headers=AUTH,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "logprobs": 1})
+    is_openai_error(r, 400, "logprobs")
+
+
+def test_the_largest_seed_with_n_samples_is_served_and_the_connection_goes_on(vocab_model, tok):
+    """seed 2**64 - 1 with n 4 seeded its samples past 64 bits: a 500, and a broken keep-alive connection."""
+    with tiny_server(vocab_model, tok) as (srv, _, _):
+        host, port = srv.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        headers = {**AUTH, "content-type": "application/json"}
+        try:
+            for body in ({"prompt": "Hi", "max_tokens": 3, "n": 4, "seed": 2 ** 64 - 1, "temperature": 1},
+                         {"prompt": "Hi", "max_tokens": 2}):
+                conn.request("POST", "/v1/completions", json.dumps(body), headers)
+                r = conn.getresponse()
+                got = json.loads(r.read())
+                assert r.status == 200, got
+                assert len(got["choices"]) == body.get("n", 1)
+        finally:
+            conn.close()
+
+
 def test_the_api_key_comes_from_the_flag_or_the_environment(monkeypatch):
     monkeypatch.setenv("NANOSERVE_API_KEY", "from-env")
     ap = argparse.ArgumentParser()
@@ -89,14 +199,15 @@ def test_host_names_lose_their_port():
 def test_a_body_over_the_limit_is_a_413_whether_announced_or_streamed(tiny):
     srv, _, _ = tiny
     big = json.dumps({"prompt": "x" * (70 << 10)})
-    err = is_openai_error(httpx.post(srv.url + "/v1/completions", content=big, headers=AUTH), 413)
+    json_auth = {**AUTH, "content-type": "application/json"}
+    err = is_openai_error(httpx.post(srv.url + "/v1/completions", content=big, headers=json_auth), 413)
     assert err["code"] == "body_too_large"
 
     def chunks():  # no Content-Length: the server counts as it reads
         for i in range(0, len(big), 8192):
             yield big[i:i + 8192].encode()
 
-    is_openai_error(httpx.post(srv.url + "/v1/completions", content=chunks(), headers=AUTH), 413)
+    is_openai_error(httpx.post(srv.url + "/v1/completions", content=chunks(), headers=json_auth), 413)
     ok_completion(srv.url)
 
 
@@ -173,7 +284,7 @@ def test_work_past_the_queue_bound_is_a_503_with_retry_after_and_what_was_admitt
 
 def test_errors_have_openai_shape_for_paths_methods_and_unparsable_bodies(tiny):
     srv, _, _ = tiny
-    is_openai_error(httpx.get(srv.url + "/v2/nothing"), 404)
+    is_openai_error(httpx.get(srv.url + "/v2/nothing", headers=AUTH), 404)
     r = httpx.get(srv.url + "/v1/completions", headers=AUTH)
     is_openai_error(r, 405)
     assert "POST" in r.headers["allow"]

@@ -51,6 +51,49 @@ def test_options_the_engine_lacks_are_refused_not_ignored(field, value):
     assert e.value.param == field
 
 
+LOOSE = [("stream", "yes"), ("stream", 1), ("echo", "true"), ("ignore_eos", 1), ("return_token_ids", "on"),
+         ("stream_options", {"include_usage": "yes"}), ("prompt", [[False]]), ("prompt", [True, 2]),
+         ("prompt", [1.0, 2]), ("n", 2.0), ("n", True), ("max_tokens", 1.0), ("max_tokens", "16"), ("seed", 1.5),
+         ("seed", False), ("top_k", 5.0), ("logprobs", 1.0), ("logprobs", True), ("stop_token_ids", [2.0]),
+         ("temperature", "0.5"), ("temperature", True), ("top_p", False)]
+
+
+@pytest.mark.parametrize("field, value", LOOSE)
+def test_loose_types_are_refused_as_openai_refuses_them(field, value):
+    """Lax coercion would change the request's meaning: [[false]] became token 0, "yes" streamed, 1.0 tokens."""
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(**{"prompt": "x", field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", 1), ("logprobs", "true"), ("top_logprobs", 2.0),
+                                          ("max_completion_tokens", 8.0)])
+def test_loose_types_in_chat_are_refused(field, value):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **{field: value})
+    assert e.value.errors()[0]["loc"][0] == field
+
+
+def test_strict_types_still_take_every_valid_form():
+    body = CompletionRequest(prompt=[[1, 2]], temperature=1, top_p=1, min_p=0, repetition_penalty=1,
+                             presence_penalty=0, frequency_penalty=1, n=2, max_tokens=4, seed=2 ** 64 - 1, top_k=5,
+                             logprobs=0, stream=True, echo=False, stream_options={"include_usage": True})
+    assert body.prompts() == [[1, 2]] and body.temperature == 1.0 and body.include_usage
+    assert body.sampling_params(4).seed == 2 ** 64 - 1
+
+
+def test_a_too_large_n_is_blamed_on_n_and_too_many_prompts_on_prompt():
+    a = Admission(capacity=8, per_request=4)
+    with pytest.raises(BadRequest) as e:
+        a.take(1, 5)
+    assert e.value.param == "n" and "n=5" in str(e.value)
+    with pytest.raises(BadRequest) as e:
+        a.take(3, 2)
+    assert e.value.param == "prompt"
+    a.take(2, 2)()
+    assert a.held == 0
+
+
 def test_max_tokens_zero_is_for_echo_alone():
     body = CompletionRequest(prompt="x", max_tokens=0, echo=True, logprobs=1)
     body.refuse_unsupported()

@@ -1,10 +1,14 @@
 """`python -m nanoserve serve` as a user starts it: a process whose main thread steps the engine while uvicorn
 answers HTTP from another. It serves; on SIGTERM it answers new requests 503 (not a refused connection), lets the
-streams in flight finish within --shutdown-timeout, ends those that outlive it with an error event, and exits 0."""
+streams in flight finish within --shutdown-timeout, ends those that outlive it with an error event, and exits 0;
+a second signal stops it at once with 128 + the signal's number and no traceback."""
 
 import json
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import httpx
 
@@ -80,3 +84,43 @@ def test_sigterm_answers_503_and_ends_a_stream_that_outlives_the_grace_on_the_gg
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_second_sigterm_stops_at_once_exits_143_and_prints_no_traceback(model_dir, tmp_path):
+    """The first SIGTERM drains (a 2000-token stream would hold it for minutes); the second is a forced stop: it
+    used to exit 0, as if all had finished, after uvicorn's traceback of the lifespan it cancelled."""
+    port = free_port()
+    log = open(tmp_path / "stderr.txt", "w+")  # start_server keeps its stderr to itself: this test reads it
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", "serve", "--port", str(port), "--model",
+                             str(model_dir), "--kv-cache-gib", "0.1", "--threads", "1", "--shutdown-timeout", "600"],
+                            stdout=subprocess.DEVNULL, stderr=log, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while not up(url) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.25)
+        events, first = [], threading.Event()
+        body = {"prompt": [1, 2, 3, 4], "max_tokens": 2000, "temperature": 0, "ignore_eos": True, "stream": True}
+        reader = threading.Thread(target=read_stream, args=(url, body, events, first), daemon=True)
+        reader.start()
+        assert first.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        while httpx.get(url + "/health", timeout=60).status_code == 200:  # draining
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        log.seek(0)
+        err = log.read()
+        assert "Traceback" not in err and "warning" not in err, err  # loopback: no warning either
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
