@@ -112,3 +112,39 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: 
             kc, vc = gather_blocks(k_pool, v_pool, md.block_tables[r], seq_len)
             out[s:e] = causal_attention(q[None, s:e], kc[None], vc[None])[0]
     return out
+
+
+def window_layout(md: AttentionMetadata, window: int) -> list[tuple[int, int, Tensor, Tensor | None]]:
+    """Per request, what a sliding layer of this step reads: its rows (s, e), the pool slots of the keys its
+    queries' windows cover (positions max(0, first query - window + 1) .. its last), and the mask (T, S) of
+    which of those each query sees (None: all of them)."""
+    qsl = md.query_start_loc.tolist()
+    out = []
+    for r, (n, seq_len) in enumerate(zip(md.query_lens, md.seq_lens_host)):
+        first = seq_len - n
+        lo = max(0, first - window + 1)
+        pos = torch.arange(lo, seq_len)
+        slots = md.block_tables[r][pos // md.block_size] * md.block_size + pos % md.block_size
+        qpos = torch.arange(first, seq_len)[:, None]
+        mask = (pos[None, :] <= qpos) & (pos[None, :] > qpos - window)  # (T, S)
+        out.append((qsl[r], qsl[r + 1], slots, None if bool(mask.all()) else mask))
+    return out
+
+
+def window_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetadata, window: int,
+                  scratch: dict) -> Tensor:
+    """A sliding layer's paged attention: the query at position p over its request's keys p - window + 1 .. p,
+    only those gathered from the pool, one request at a time. q (N, H, D); pools (blocks, bs, K, D) -> (N, H*D)."""
+    N, H, D = q.shape
+    K = k_pool.shape[-2]
+    key = ("window", window)
+    if key not in scratch:
+        scratch[key] = window_layout(md, window)
+    out = q.new_zeros(N, H * D)
+    keys, values = k_pool.reshape(-1, K, D), v_pool.reshape(-1, K, D)
+    for s, e, slots, mask in scratch[key]:
+        kc, vc = keys.index_select(0, slots), values.index_select(0, slots)  # (S, K, D)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                                           vc.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)  # (1, H, T, D)
+        out[s:e] = o[0].transpose(0, 1).reshape(e - s, H * D)
+    return out

@@ -45,10 +45,6 @@ class ModelRunner:
 
     def __init__(self, model: Llama, storage: KVStorage, kernels: bool | None = None, attention: str | None = None,
                  batch_invariant: bool = False, compiled_step: bool | None = None):
-        if not isinstance(model, Llama):
-            raise NotImplementedError(f"the engine's paged road runs Llama so far, not {type(model).__name__} (its "
-                                      f"sliding window needs a windowed pool): run it without a cache, model(ids), "
-                                      f"or on stages.contiguous.KVCache")
         self.model, self.storage = model, storage
         self.batch_invariant = batch_invariant
         self.kernels = use_kernels(model.dtype, kernels)

@@ -150,6 +150,11 @@ class Gemma3(nn.Module):
             h = h[:, -1]
         return self.logits(h)
 
+    def one_row_same_bits(self, compiled: bool | None) -> bool:
+        """A step of one row does not get the bits of a step of many (torch's products differ by row count):
+        a batch-invariant runner pads it (`ModelRunner`)."""
+        return False
+
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0) -> Gemma3:
         """Random weights with sensible scale (norm weights near 0, so their scale near 1): for unit tests."""

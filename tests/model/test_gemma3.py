@@ -146,14 +146,6 @@ def test_gemma_loads_in_float32_only(tiny_pair, tmp_path):
 
 
 
-def test_the_engine_refuses_gemma_by_name():
-    """The paged road cannot honour the window yet: the engine says so when it is built, not at step 513."""
-    from nanoserve.engine import LLMEngine
-
-    with pytest.raises(NotImplementedError, match="paged road runs Llama so far, not Gemma3"):
-        LLMEngine(Gemma3.random(ModelConfig.tiny_gemma3()), num_blocks=8)
-
-
 def test_model_folder_takes_a_folder_as_given(tmp_path):
     from nanoserve.model.fetch import model_folder
 
