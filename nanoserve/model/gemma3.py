@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from .gguf_file import gguf_field
-from .matmul import embedding, linear, linear_weight
+from .matmul import PACK_ROWS, embedding, linear, linear_weight, pack, tiled
 from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
 
 
@@ -66,30 +66,33 @@ class Gemma3Block(nn.Module):
         # SDPA scales by D^-0.5; q is pre-scaled when the config asks for another scale (Gemma 3 270M: none)
         self.q_scale = None if cfg.query_pre_attn_scalar in (None, D) else math.sqrt(D / cfg.query_pre_attn_scalar)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int) -> Tensor:
-        """x (B, T, C) -> (B, T, C): x + norm(attention(norm(x))), then that + norm(mlp(norm(that)))."""
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
+                compiled: bool | None = False) -> Tensor:
+        """x (B, T, C) -> (B, T, C): x + norm(attention(norm(x))), then that + norm(mlp(norm(that))). `compiled`:
+        the products' road (`linear`: the tiles where the model packed them)."""
         eps = self.cfg.rms_norm_eps
-        h = self.attention(gemma_rms_norm(x, self.attn_norm, eps), cos, sin, layer, kv, seen)
+        h = self.attention(gemma_rms_norm(x, self.attn_norm, eps), cos, sin, layer, kv, seen, compiled)
         x = x + gemma_rms_norm(h, self.post_attn_norm, eps)
-        h = self.mlp(gemma_rms_norm(x, self.mlp_norm, eps))
+        h = self.mlp(gemma_rms_norm(x, self.mlp_norm, eps), compiled)
         return x + gemma_rms_norm(h, self.post_mlp_norm, eps)
 
-    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int) -> Tensor:
+    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
+                  compiled: bool | None = False) -> Tensor:
         cfg = self.cfg
         B, T, _ = h.shape
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q, k, v = linear(h, self.wqkv, False).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
+        q, k, v = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
         q = apply_rope(gemma_rms_norm(q, self.q_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, H, D)
         k = apply_rope(gemma_rms_norm(k, self.k_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, K, D)
         if self.q_scale is not None:
             q = q * self.q_scale
         out = attend(kv, layer, q, k, v, self.window, seen)  # (B, T, H*D)
-        return linear(out.view(B, T, H * D), self.wo, False)
+        return linear(out.view(B, T, H * D), self.wo, compiled)
 
-    def mlp(self, h: Tensor) -> Tensor:
+    def mlp(self, h: Tensor, compiled: bool | None = False) -> Tensor:
         """GeGLU: gelu_tanh(gate) * up from one product, projected back down. h (B, T, C)."""
-        gate, up = linear(h, self.w_gate_up, False).chunk(2, dim=-1)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.w_down, False)
+        gate, up = linear(h, self.w_gate_up, compiled).chunk(2, dim=-1)
+        return linear(F.gelu(gate, approximate="tanh") * up, self.w_down, compiled)
 
 
 class Gemma3(nn.Module):
@@ -121,7 +124,8 @@ class Gemma3(nn.Module):
 
     def hidden_states(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
                       compiled: bool | None = None) -> Tensor:
-        """ids (B, T) -> final normed hidden states (B, T, C). `compiled` is accepted and ignored: torch ops."""
+        """ids (B, T) -> final normed hidden states (B, T, C). `compiled`: the products' road (`linear`), the rest
+        torch's ops."""
         if ids.dim() == 1:
             ids = ids[None]
         B, T = ids.shape
@@ -133,27 +137,36 @@ class Gemma3(nn.Module):
         x = embedding(ids, self.embed, self.dtype) * self.embed_scale  # (B, T, C)
         for i, block in enumerate(self.layers):
             cos, sin = rope["local" if block.window else None]  # (B, T, 1, D) each
-            x = block(x, cos, sin, i, kv, seen)
+            x = block(x, cos, sin, i, kv, seen, compiled)
         return gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     def logits(self, h: Tensor, compiled: bool | None = None) -> Tensor:
         """The tied head: h (..., C) -> fp32 logits (..., V)."""
-        return linear(h, self.lm_head, False).float()
+        return linear(h, self.lm_head, compiled).float()
 
     def forward(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
                 last_only: bool = False, logit_index: Tensor | None = None, compiled: bool | None = None) -> Tensor:
         """Logits (B, T, V); with `last_only` (B, V) for the last position; with `logit_index` (B,) each row's."""
-        h = self.hidden_states(ids, positions, kv)
+        h = self.hidden_states(ids, positions, kv, compiled)
         if logit_index is not None:
             h = h[torch.arange(h.shape[0], device=h.device), logit_index]
         elif last_only:
             h = h[:, -1]
-        return self.logits(h)
+        return self.logits(h, compiled)
+
+    def matrices(self) -> list[Tensor]:
+        """Every matrix a product multiplies by: each layer's four, then the tied head."""
+        return [w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [self.lm_head]
+
+    def pack_weights(self, rows: int = PACK_ROWS) -> int:
+        """Llama's `pack_weights`: every matrix a copy laid out for its product (tiles on x86 CPUs), for the
+        weights' memory once more. Returns the bytes added."""
+        return sum(w.numel() * w.element_size() for w in self.matrices() if pack(w, rows))
 
     def one_row_same_bits(self, compiled: bool | None) -> bool:
-        """A step of one row does not get the bits of a step of many (torch's products differ by row count):
-        a batch-invariant runner pads it (`ModelRunner`)."""
-        return False
+        """Whether a step of one row gets the bits a step of many would: every product on the tiles (as Llama's);
+        elsewhere a batch-invariant runner pads it (`ModelRunner`)."""
+        return bool(compiled) and all(tiled(w) is not None for w in self.matrices())
 
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0) -> Gemma3:

@@ -112,7 +112,10 @@ def load_model(
     if cls is not Llama:
         if dtype != torch.float32:
             raise ValueError(f"{cfg.architecture} runs in float32 so far; dtype={dtype} is not possible")
-        return cls(cfg).load_hf_state(load_state(folder, cfg, cls.hf_shapes(cfg)))
+        model = cls(cfg).load_hf_state(load_state(folder, cfg, cls.hf_shapes(cfg)))
+        if pack:
+            model.pack_weights()
+        return model
     sd = load_state(folder, cfg)
     model = Llama(cfg)
     with torch.no_grad():

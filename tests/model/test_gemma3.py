@@ -63,6 +63,7 @@ def test_the_window_is_not_vacuous(tiny_pair):
     _, ours = tiny_pair
     full = Gemma3(ModelConfig.tiny_gemma3(sliding_window=64))
     full.load_state_dict(ours.state_dict())
+    full.pack_weights()  # the products' road `ours` takes (load_model packs)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         a, b = ours(ids)[0], full(ids)[0]
