@@ -134,6 +134,12 @@ class LLMEngine:
                 f"a request of {len(prompt)} prompt tokens and up to {max_new} new ones needs "
                 f"{self.manager.blocks_needed(need)} blocks of {self.manager.block_size} tokens; the pool has "
                 f"{self.manager.num_blocks} in all")
+        window = min((w for i in range(cfg.n_layers) if (w := cfg.window(i))), default=None)
+        if window is not None and need > window:  # (the pool keeps every position; a sliding layer must not see them)
+            raise RequestTooLarge(
+                f"{cfg.architecture}'s sliding layers see their last {window} positions, which the paged pool cannot "
+                f"honour yet: a request of {len(prompt)} prompt tokens and up to {max_new} new ones must fit in "
+                f"{window} (longer contexts run on stages.contiguous.KVCache)")
         if not sched.chunked_prefill and need > sched.max_num_batched_tokens:
             raise RequestTooLarge(
                 f"without chunked prefill a request is computed in one step: {len(prompt)} prompt tokens and up "

@@ -45,17 +45,16 @@ class ModelRunner:
 
     def __init__(self, model: Llama, storage: KVStorage, kernels: bool | None = None, attention: str | None = None,
                  batch_invariant: bool = False, compiled_step: bool | None = None):
-        if not isinstance(model, Llama):
-            raise NotImplementedError(f"the engine's paged road runs Llama so far, not {type(model).__name__} (its "
-                                      f"sliding window needs a windowed pool): run it without a cache, model(ids), "
-                                      f"or on stages.contiguous.KVCache")
         self.model, self.storage = model, storage
         self.batch_invariant = batch_invariant
-        self.kernels = use_kernels(model.dtype, kernels)
+        llama = isinstance(model, Llama)  # another family (Gemma 3) runs on torch's ops, its steps padded as any
+        if not llama and kernels:
+            raise ValueError(f"the compiled kernels run Llama's layers; {type(model).__name__} runs on torch's ops")
+        self.kernels = use_kernels(model.dtype, kernels) if llama else False
         # read once, not each step (it asks every matrix): a runner's weights are not rewritten under it
-        self.one_row_same_bits = model.one_row_same_bits(self.kernels)
+        self.one_row_same_bits = model.one_row_same_bits(self.kernels) if llama else False
         self.attention = choose(self.kernels, attention)
-        use_step = compiled_step is not False and self.attention == "compiled"
+        use_step = compiled_step is not False and self.attention == "compiled" and llama
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
         self.last_argmax: Tensor | None = None  # the last step's argmax of each row it returned, where it has one

@@ -146,12 +146,21 @@ def test_gemma_loads_in_float32_only(tiny_pair, tmp_path):
 
 
 
-def test_the_engine_refuses_gemma_by_name():
-    """The paged road cannot honour the window yet: the engine says so when it is built, not at step 513."""
-    from nanoserve.engine import LLMEngine
+def test_the_engine_runs_gemma_within_the_window_and_refuses_past_it(tiny_pair):
+    """The paged road (torch ops) gives the no-cache forward's greedy tokens while the context fits the window (8),
+    and refuses, before any step, a request that would outgrow it."""
+    from nanoserve.generate import greedy_ids
+    from nanoserve.kv.blocks import RequestTooLarge
 
-    with pytest.raises(NotImplementedError, match="paged road runs Llama so far, not Gemma3"):
-        LLMEngine(Gemma3.random(ModelConfig.tiny_gemma3()), num_blocks=8)
+    _, ours = tiny_pair
+    ids = [5, 17, 99, 3]
+    with torch.inference_mode():
+        expect = list(ids)
+        for _ in range(4):
+            expect.append(int(ours(torch.tensor([expect]))[0, -1].argmax()))
+    assert greedy_ids(ours, ids, 4) == expect[4:]
+    with pytest.raises(RequestTooLarge, match="sliding layers see their last 8 positions"):
+        greedy_ids(ours, ids, 5)
 
 
 def test_model_folder_takes_a_folder_as_given(tmp_path):
@@ -230,3 +239,21 @@ def test_gemma_greedy_matches_transformers_up_to_a_near_tie(gemma, hf_gemma, gem
     assert compared >= 4, f"near-tie at step {compared}: too few tokens compared to mean anything"
     assert max(float((a - b).abs().max()) for a, b in zip(logits[:compared], ref_logits)) < GEMMA_TOL
 
+
+
+def test_gemma_on_the_engine_by_name_gives_transformers_greedy_tokens(gemma_dir, hf_gemma):
+    """`LLM("gemma3-270m")`: the engine's paged road (torch ops) within the window, by the model's name: the
+    reference's greedy tokens on the short prompts, and a clear refusal for a context past the window."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.kv.blocks import RequestTooLarge
+    from nanoserve.teach.reference import assert_same_greedy, reference_greedy
+
+    llm = LLM("gemma3-270m", max_num_seqs=4)
+    names = ["plain", "code", "poem"]
+    outs = llm.generate([GEMMA_PROMPTS[n][0] for n in names], SamplingParams(temperature=0, max_tokens=16,
+                                                                               ignore_eos=True))
+    for name, out in zip(names, outs):
+        ref_tokens, ref_logits = reference_greedy(hf_gemma, out.prompt_token_ids, 16, ignore_eos=True)
+        assert assert_same_greedy(out.outputs[0].token_ids, ref_tokens, ref_logits) >= 4, name
+    with pytest.raises(RequestTooLarge, match="sliding layers see their last 512 positions"):
+        llm.generate([GEMMA_PROMPTS["long_list"][0]], SamplingParams(temperature=0, max_tokens=4))
