@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.11:
-#   make lab    set up .venv, fetch + convert the model, open the series in JupyterLab
-#   make test   set up .venv, fetch + convert the model, run the whole suite (unit, real-model, nbval)
+#   make lab    set up .venv, fetch + convert the models, open the series in JupyterLab
+#   make test   set up .venv, fetch + convert the models, run the whole suite (unit, real-model, nbval)
 # torch==2.13.0 is installed first and on its own: a plain `torch` requirement with nothing
 # installed could pull a multi-GB CUDA build; with 2.13.0 present, the package's range is satisfied.
 
@@ -25,6 +25,7 @@ $(STAMP): pyproject.toml
 
 model: $(STAMP)
 	$(BIN)/python -m nanoserve fetch
+	$(BIN)/python -m nanoserve fetch --model gemma3-270m
 	$(BIN)/python -m nanoserve kernels
 
 lab: model

@@ -1,7 +1,7 @@
 """The command line: `python -m nanoserve <command>` (or the `nanoserve` script).
 
     generate       complete a prompt, streamed to stdout
-    fetch          fetch + convert the model (idempotent)
+    fetch          fetch + convert a model (idempotent; --model gemma3-270m for Gemma 3)
     kernels        build the compiled kernels now and say where they are
     lengths        draw Day 15's request-length CSV
     bench layout   weight-streaming GB/s of candidate layouts at batch 1 (--rows: more)
@@ -128,19 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
     from .config import generation_defaults
     from .generate import stream_generate
     from .loader import from_cli
-    from .model.fetch import ensure_model
+    from .model.fetch import model_folder
     from .sampling import SamplingParams
 
     if not args.prompt:
         print("nanoserve: error: --prompt is empty", file=sys.stderr)
         return 2
     try:
-        folder = Path(args.model) if args.model else ensure_model()
+        folder = model_folder(args.model)
         chosen = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
                   if getattr(args, k) is not None}
         if args.greedy:

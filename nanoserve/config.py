@@ -22,7 +22,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Gemma3ForCausalLM": "gemma3_text"}
+"""The architectures a config may name, each with the model_type transformers writes beside it; `model.registry`
+maps each to its family's class (a test keeps the two the same)."""
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 def nanoserve_home() -> Path:
@@ -50,8 +55,26 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=lambda: [2])
+    # a family's own numbers; the defaults are Llama's (Gemma 3's in `from_hf_dict`)
+    architecture: str = "LlamaForCausalLM"
+    layer_types: list[str] | None = None  # per layer "sliding_attention" or "full_attention"; None: every one full
+    sliding_window: int | None = None  # positions a sliding layer's query sees, itself included
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers (None: rope_theta)
+    query_pre_attn_scalar: int | None = None  # attention scores are scaled by its -0.5 power (None: head_dim)
+    hidden_activation: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise CheckpointError(f"config: architecture {self.architecture!r} is not one of {SUPPORTED_ARCHITECTURES}")
+        if self.hidden_activation not in ACTIVATIONS:
+            raise CheckpointError(f"config: hidden_activation {self.hidden_activation!r} is not one of {ACTIVATIONS}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+                raise CheckpointError(f"config: layer_types must name {self.n_layers} layers, each one of "
+                                      f"{LAYER_TYPES}; got {self.layer_types}")
+            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+                raise CheckpointError(f"config: sliding layers need a positive sliding_window, "
+                                      f"got {self.sliding_window}")
         if self.hidden_size <= 0 or self.n_layers <= 0 or self.vocab_size <= 0:
             raise CheckpointError(f"config: sizes must be positive, got {self}")
         if self.n_heads % self.n_kv_heads:
@@ -73,19 +96,30 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within (its query and the window - 1 keys before it), or None
+        for a layer that sees every earlier position."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        arch = d.get("architectures") or [None]
-        if d.get("model_type") != "llama" and arch[0] not in SUPPORTED_ARCHITECTURES:
+        arch = (d.get("architectures") or [None])[0]
+        if arch not in ARCHITECTURES:  # an architecture named otherwise, known by its model_type (llama)
+            arch = next((a for a, t in ARCHITECTURES.items() if t == d.get("model_type")), None)
+        if arch is None:
             raise CheckpointError(
-                f"{source}: unsupported architecture {arch[0] or d.get('model_type')!r}; "
+                f"{source}: unsupported architecture {(d.get('architectures') or [None])[0] or d.get('model_type')!r}; "
                 f"nanoserve loads {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        gemma = arch == "Gemma3ForCausalLM"
         try:
             n_heads = int(d["num_attention_heads"])
             hidden = int(d["hidden_size"])
-            eos = d.get("eos_token_id", 2)
-            return cls(
+            eos = d.get("eos_token_id", 1 if gemma else 2)
+            rope = d.get("rope_parameters") or {}
+            common = dict(
                 vocab_size=int(d["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(d["intermediate_size"]),
@@ -93,13 +127,18 @@ class ModelConfig:
                 n_heads=n_heads,
                 n_kv_heads=int(d.get("num_key_value_heads") or n_heads),
                 head_dim=int(d.get("head_dim") or hidden // n_heads),
+                bos_token_id=d.get("bos_token_id", 2 if gemma else None),
+                eos_token_id=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
+            )
+            if gemma:
+                return cls(**common, **_gemma3_fields(d, common["n_layers"], source))
+            return cls(
+                **common,
                 max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
+                rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
                 rope_scaling=d.get("rope_scaling"),
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                bos_token_id=d.get("bos_token_id"),
-                eos_token_id=list(eos) if isinstance(eos, list) else ([eos] if eos is not None else []),
             )
         except KeyError as e:
             raise CheckpointError(f"{source}: missing key {e.args[0]!r}") from None
@@ -116,7 +155,9 @@ class ModelConfig:
         return cls.from_hf_dict(d, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that `transformers.LlamaConfig` reads."""
+        """The config.json that transformers reads: `LlamaConfig`'s, or `Gemma3TextConfig`'s."""
+        if self.architecture == "Gemma3ForCausalLM":
+            return self._gemma3_hf_dict()
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -140,6 +181,36 @@ class ModelConfig:
             "torch_dtype": "float32",
         }
 
+    def _gemma3_hf_dict(self) -> dict[str, Any]:
+        return {
+            "architectures": ["Gemma3ForCausalLM"],
+            "model_type": "gemma3_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_local_base_freq": self.rope_local_theta,
+            "rope_scaling": None,
+            "sliding_window": self.sliding_window,
+            "layer_types": self.layer_types,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "hidden_activation": self.hidden_activation,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
+            "pad_token_id": 0,
+            "attention_bias": False,
+            "torch_dtype": "float32",
+        }
+
     @classmethod
     def tiny(cls, **overrides: Any) -> ModelConfig:
         """A random-weight config small enough for unit tests (same architecture, tiny sizes)."""
@@ -151,8 +222,50 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def tiny_gemma3(cls, **overrides: Any) -> ModelConfig:
+        """A random-weight Gemma 3 config for unit tests: two sliding layers of window 8, then a full one; a
+        query scale that is not head_dim's."""
+        base = dict(
+            architecture="Gemma3ForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128, n_layers=3,
+            n_heads=4, n_kv_heads=1, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+            rope_theta=1_000_000.0, rope_local_theta=10_000.0, tie_word_embeddings=True, bos_token_id=2,
+            eos_token_id=[1], layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            sliding_window=8, query_pre_attn_scalar=48, hidden_activation="gelu_pytorch_tanh",
+        )
+        base.update(overrides)
+        return cls(**base)
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _gemma3_fields(d: dict[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """Gemma 3's numbers from its config.json, with Gemma3TextConfig's defaults; what the forward does not
+    compute (soft-capping, bidirectional attention, scaled RoPE) is refused by name."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if d.get(key):
+            raise CheckpointError(f"{source}: {key}={d[key]!r} is not supported")
+    rope = d.get("rope_parameters") or {}
+    full, local = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    for r in (full, local, d.get("rope_scaling") or {}):
+        if r.get("rope_type", r.get("type", "default")) != "default":
+            raise CheckpointError(f"{source}: RoPE scaling {r} is not supported for Gemma 3")
+    pattern = int(d.get("sliding_window_pattern", 6))
+    layer_types = d.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                           for i in range(n_layers)]
+    return dict(
+        architecture="Gemma3ForCausalLM",
+        max_position_embeddings=int(d.get("max_position_embeddings", 131_072)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
+        rope_local_theta=float(local.get("rope_theta", d.get("rope_local_base_freq", 10_000.0))),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+        layer_types=list(layer_types),
+        sliding_window=int(d.get("sliding_window", 4096)),
+        query_pre_attn_scalar=int(d.get("query_pre_attn_scalar", 256)),
+        hidden_activation=str(d.get("hidden_activation", "gelu_pytorch_tanh")),
+    )
 
 
 SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -22,15 +22,16 @@ from .config import generation_defaults
 from .engine import LLMEngine
 from .engine.outputs import CompletionOutput, RequestOutput
 from .loader import load
-from .model.fetch import ensure_model
+from .model.fetch import model_folder
 from .sampling import SamplingParams
 
 Prompt = str | dict[str, Any] | Sequence[int]
 
 
 class LLM:
-    """A model, its tokenizer and one engine. `model`: a Hugging Face Llama checkpoint folder, or None for
-    the fetched SmolLM2; `weights="gguf"` serves the GGUF's own blocks, with `activations="int8"` their
+    """A model, its tokenizer and one engine. `model`: a Hugging Face checkpoint folder, a model's name
+    ("smollm2-135m"; `fetch.MODELS`), or None for the fetched SmolLM2; `weights="gguf"` serves the GGUF's own
+    blocks, with `activations="int8"` their
     products on int8 activations, `dtype="bfloat16"` bf16 matrices and K/V, `kv_cache_dtype="bfloat16"` a bf16
     K/V cache alone (each opt-in, faster, not exact; see `load`). The engine's options
     are vLLM's keywords (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, `num_blocks`,
@@ -38,7 +39,7 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, weights: str = "fp32", activations: str = "fp32",
                  dtype: str = "float32", kv_cache_dtype: str = "auto", **engine_options: Any):
-        folder = Path(model) if model else ensure_model()
+        folder = model_folder(model)
         self.model, self.tokenizer = load(folder, dtype=dtype, weights=weights, activations=activations,
                                           kv_cache_dtype=kv_cache_dtype)
         self.engine = LLMEngine(self.model, self.tokenizer, **engine_options)

@@ -1,4 +1,4 @@
-"""`load`: a checkpoint folder (or the fetched SmolLM2) as a model and its tokenizer, one call."""
+"""`load`: a checkpoint folder or a model's name (or the fetched SmolLM2) as a model and its tokenizer, one call."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .config import nanoserve_home
+from .config import ModelConfig, nanoserve_home
 from .model import Llama, load_model
-from .model.fetch import download_gguf, ensure_model
+from .model.fetch import download_gguf, model_folder
 from .tokenizer import Tokenizer
 
 WEIGHTS = ("fp32", "gguf")
@@ -21,7 +21,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: bool = False) -> None:
     """`load`'s options as flags, one set for `generate`, `serve` and the benches (`weights`: --weights' default;
     `gguf`: a --gguf file may be named)."""
-    ap.add_argument("--model", help="HF Llama checkpoint folder (default: the fetched SmolLM2)")
+    ap.add_argument("--model", help="a checkpoint folder, or a model's name: smollm2-135m, gemma3-270m (fetched and "
+                    "converted on first use; default: smollm2-135m)")
     ap.add_argument("--weights", choices=WEIGHTS, default=weights,
                     help=f"fp32: the folder's safetensors; gguf: the GGUF's own blocks (default: {weights})")
     if gguf:
@@ -61,8 +62,9 @@ def as_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = None, pack: bool = True,
          weights: str = "fp32", gguf: str | Path | None = None, activations: str = "fp32",
          kv_cache_dtype: str = "auto") -> tuple[Llama, Tokenizer]:
-    """The model and tokenizer of a checkpoint folder; with no folder, the fetched SmolLM2
-    (fetched and converted on first use). `pack`: see `load_model`; on GGUF blocks, whether int8
+    """The model and tokenizer of a checkpoint folder, or of a model named in `fetch.MODELS` ("gemma3-270m"); with
+    neither, the fetched SmolLM2 (fetched and converted on first use). The folder's architecture picks the
+    family's class (`model.registry`). `pack`: see `load_model`; on GGUF blocks, whether int8
     activations read packed copies of them (`load_gguf`).
 
     `weights="gguf"` keeps the weights as the GGUF file ships them (its Q4_1/Q8_0 blocks, multiplied
@@ -85,7 +87,9 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
     dtype = as_dtype(dtype)
-    folder = Path(model_dir) if model_dir else ensure_model()
+    folder = model_folder(model_dir)
+    if weights == "gguf" and (arch := ModelConfig.from_folder(folder).architecture) != "LlamaForCausalLM":
+        raise ValueError(f"weights='gguf' multiplies Llama's Q4_1/Q8_0 blocks; {arch} loads its fp32 folder so far")
     if weights == "gguf":
         from .model.gguf_weights import load_gguf
 

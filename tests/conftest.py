@@ -28,7 +28,8 @@ torch.set_num_threads(max(1, int(os.environ.get("NANOSERVE_THREADS", torch.get_n
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
 
-REAL_MODEL_FIXTURES = {"model_dir", "model", "tok", "hf_model", "hf_tok", "fp64_logits", "hf_greedy"}
+REAL_MODEL_FIXTURES = {"model_dir", "model", "tok", "hf_model", "hf_tok", "fp64_logits", "hf_greedy",
+                       "gemma_dir", "gemma", "gemma_tok", "hf_gemma"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -100,6 +101,36 @@ def hf_model(model_dir):
     from nanoserve.teach.reference import load_reference
 
     return load_reference(model_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma_dir():
+    """The second model, Gemma 3 270M, fetched and converted on first use (as `make model` does)."""
+    from nanoserve.model.fetch import ensure_model
+
+    return ensure_model(name="gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma(gemma_dir):
+    from nanoserve.model import load_model
+
+    return load_model(gemma_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma_tok(gemma_dir):
+    from nanoserve.tokenizer import Tokenizer
+
+    return Tokenizer.from_folder(gemma_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_gemma(gemma_dir):
+    """transformers' Gemma3ForCausalLM on the same converted folder, fp32: Gemma's reference."""
+    from nanoserve.teach.reference import load_reference
+
+    return load_reference(gemma_dir)
 
 
 @pytest.fixture(scope="session")

@@ -26,19 +26,22 @@ class KVBackend(Protocol):
     """Where attention reads and writes K/V. Called once per layer per forward."""
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """q (B, T, H, D), k/v (B, T, K, D), already rotated -> output (B, T, H*D)."""
+        """q (B, T, H, D), k/v (B, T, K, D), already rotated -> output (B, T, H*D). A backend that can also honour
+        a sliding window (the query at p sees keys p - window + 1 .. p) takes `window=` and says so with a true
+        `supports_sliding_window` attribute; a model asks for the window only of such a backend."""
         ...
 
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int | None = None,
-                     key_mask: Tensor | None = None) -> Tensor:
+                     key_mask: Tensor | None = None, window: int | None = None) -> Tensor:
     """T queries at positions start .. start+T-1 over S keys at positions 0 .. S-1: query t sees keys
     0 .. start + t. Grouped-query, by torch's fused kernel.
 
     q (B, T, H, D); k/v (B, S, K, D) -> (B, T, H*D). `start` defaults to S - T: the queries are the
     last T keys' own tokens (a prompt on an empty cache has start 0, one decode query sees every key).
     `key_mask` (B, S) bool marks real keys in a padded batch of prompts (start 0); a padding query is
-    let see itself so its softmax stays finite.
+    let see itself so its softmax stays finite. `window`: a sliding layer's, the query at p sees only keys
+    p - window + 1 .. p.
     """
     B, T, H, D = q.shape
     S = k.shape[1]
@@ -46,7 +49,13 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, start: int | None = None,
     if start + T != S:
         raise ValueError(f"queries at positions {start}..{start + T - 1} need {start + T} keys, got {S}")
     mask = None
-    if key_mask is not None:
+    if window is not None and start + T > window:  # some query would see a key the window has left behind
+        if key_mask is not None:
+            raise ValueError("a sliding window over a padded batch of prompts is not supported")
+        qpos = start + torch.arange(T, device=q.device)[:, None]
+        kpos = torch.arange(S, device=q.device)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)  # (T, S)
+    elif key_mask is not None:
         if start != 0:
             raise ValueError("key_mask is for a padded batch of whole prompts (start 0)")
         causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
@@ -72,8 +81,13 @@ def bf16_prompt_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
 def no_cache_backend(key_mask: Tensor | None = None, bf16: bool = False) -> KVBackend:
     """The backend with no memory: each forward attends over exactly its own tokens. `bf16`: a bf16 model on the
-    compiled road, whose prompts take `bf16_prompt_attention`."""
+    compiled road, whose prompts take `bf16_prompt_attention`. The fp32 one honours a sliding window."""
     if bf16 and key_mask is None:  # (one prompt, the usual case, needs no stack)
         return lambda layer, q, k, v: (bf16_prompt_attention(q[0], k[0], v[0])[None] if len(q) == 1 else
                                        torch.stack([bf16_prompt_attention(*row) for row in zip(q, k, v)]))
-    return lambda layer, q, k, v: causal_attention(q, k, v, 0, key_mask)
+
+    def backend(layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
+        return causal_attention(q, k, v, 0, key_mask, window)
+
+    backend.supports_sliding_window = True  # type: ignore[attr-defined]
+    return backend

@@ -98,12 +98,17 @@ class PagedAttention:
         self.attend = IMPLEMENTATIONS[impl]
         self.scratch: dict = {}  # what one layer builds and the others reuse
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    supports_sliding_window = True  # a sliding layer's queries read their window's keys (`torch_ops.window_attend`)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         B, T, H, D = q.shape
         K = k.shape[2]
         q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, K, D), v.reshape(B * T, K, D)
         md = self.metadata
         n = md.num_tokens  # real tokens come first: padding rows are never written
         self.storage.write(layer, md.slot_mapping, k[:n], v[:n])
-        out = self.attend(q, k, v, self.storage.k[layer], self.storage.v[layer], md, self.scratch)
+        if window is not None:
+            out = torch_ops.window_attend(q, self.storage.k[layer], self.storage.v[layer], md, window, self.scratch)
+        else:
+            out = self.attend(q, k, v, self.storage.k[layer], self.storage.v[layer], md, self.scratch)
         return out.view(B, T, H * D)

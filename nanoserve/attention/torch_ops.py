@@ -112,3 +112,60 @@ def attend(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, md: 
             kc, vc = gather_blocks(k_pool, v_pool, md.block_tables[r], seq_len)
             out[s:e] = causal_attention(q[None, s:e], kc[None], vc[None])[0]
     return out
+
+
+def window_layout(md: AttentionMetadata, window: int, n_kv_heads: int, rep: int, dtype: torch.dtype) -> dict:
+    """What every sliding layer of a step reuses. Decode rows together, as `attend` lays them out but each row's
+    keys starting at its window's first (position seq_len - window, not below 0): the rows, their keys' pool rows
+    (R, K, L), the value bags and the mask bias. Each other request alone: its rows (s, e), the pool slots of the
+    keys its queries' windows cover (positions max(0, first query - window + 1) .. its last), and the mask (T, S)
+    of which of those each query sees (None: all of them)."""
+    qsl = md.query_start_loc.tolist()
+    dec = [r for r, n in enumerate(md.query_lens) if n == 1]
+    layout: dict = {"decode": None, "others": []}
+    if dec:
+        lens = md.seq_lens[torch.tensor(dec)]
+        first = (lens - window).clamp(min=0)
+        L = -(-int((lens - first).max()) // KEY_MULTIPLE) * KEY_MULTIPLE
+        pos = first[:, None] + torch.arange(L)[None, :]  # (R, L) each key's position, past the row's end masked
+        tables = md.block_tables[torch.tensor(dec)]
+        tables = F.pad(tables, (0, max(0, -(-int(pos.max() + 1) // md.block_size) - tables.shape[1])))
+        key_slots = tables.gather(1, pos // md.block_size) * md.block_size + pos % md.block_size
+        key_rows = key_slots[:, None, :] * n_kv_heads + torch.arange(n_kv_heads)[None, :, None]  # (R, K, L)
+        layout["decode"] = (torch.tensor([qsl[r] for r in dec]), key_rows.reshape(-1), value_bags(key_rows, rep),
+                            key_bias(pos < lens[:, None], n_kv_heads, dtype))
+    for r, (n, seq_len) in enumerate(zip(md.query_lens, md.seq_lens_host)):
+        if n == 1:
+            continue
+        first_q = seq_len - n
+        pos = torch.arange(max(0, first_q - window + 1), seq_len)
+        slots = md.block_tables[r][pos // md.block_size] * md.block_size + pos % md.block_size
+        qpos = torch.arange(first_q, seq_len)[:, None]
+        mask = (pos[None, :] <= qpos) & (pos[None, :] > qpos - window)  # (T, S)
+        layout["others"].append((qsl[r], qsl[r + 1], slots, None if bool(mask.all()) else mask))
+    return layout
+
+
+def window_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetadata, window: int,
+                  scratch: dict) -> Tensor:
+    """A sliding layer's paged attention: the query at position p over its request's keys p - window + 1 .. p, only
+    those read from the pool: decode rows in one gathered rectangle (`decode_attention`), each other request alone.
+    q (N, H, D); pools (blocks, bs, K, D) -> (N, H*D)."""
+    N, H, D = q.shape
+    K = k_pool.shape[-2]
+    key = ("window", window)
+    if key not in scratch:
+        scratch[key] = window_layout(md, window, K, H // K, q.dtype)
+    layout = scratch[key]
+    out = q.new_zeros(N, H * D)
+    if layout["decode"] is not None:
+        rows, key_rows, bags, bias = layout["decode"]
+        keys = k_pool.reshape(-1, D).index_select(0, key_rows).view(rows.numel(), K, -1, D)  # (R, K, L, D)
+        out[rows] = decode_attention(q[rows][:, None], keys, v_pool.reshape(-1, D), bags, bias)[:, 0]
+    keys, values = k_pool.reshape(-1, K, D), v_pool.reshape(-1, K, D)
+    for s, e, slots, mask in layout["others"]:
+        kc, vc = keys.index_select(0, slots), values.index_select(0, slots)  # (S, K, D)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                                           vc.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)  # (1, H, T, D)
+        out[s:e] = o[0].transpose(0, 1).reshape(e - s, H * D)
+    return out

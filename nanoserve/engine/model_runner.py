@@ -51,7 +51,7 @@ class ModelRunner:
         # read once, not each step (it asks every matrix): a runner's weights are not rewritten under it
         self.one_row_same_bits = model.one_row_same_bits(self.kernels)
         self.attention = choose(self.kernels, attention)
-        use_step = compiled_step is not False and self.attention == "compiled"
+        use_step = compiled_step is not False and self.attention == "compiled"  # (BlockStep.of: Llama's layer only)
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
         self.last_argmax: Tensor | None = None  # the last step's argmax of each row it returned, where it has one

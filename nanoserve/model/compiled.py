@@ -65,8 +65,10 @@ class BlockStep:
 
     @classmethod
     def of(cls, model: Llama) -> BlockStep | None:
-        """The compiled step of `model`, or None where it cannot run: a matrix neither on blocks nor tiles, bf16
-        tiles beside others, a residual stream not fp32, or no compiled kernels."""
+        """The compiled step of `model`, or None where it cannot run: a family whose layer is not Llama's, a matrix
+        neither on blocks nor tiles, bf16 tiles beside others, a residual stream not fp32, or no compiled kernels."""
+        if not isinstance(model, Llama):
+            return None
         mats = model.matrices()
         if model.dtype != torch.float32 or not kernels.available() or not all(map(_stepped, mats)) \
                 or not isinstance(model.embed, BlockWeight | Tensor):

@@ -111,3 +111,9 @@ class GGUFFile:
         if offs + count * dtype.itemsize > len(self.data):
             raise ValueError(f"tensor {name!r}'s data runs past the end of the file")
         return GGUFTensor(name, kind, dims, self.data[offs:offs + count * dtype.itemsize].view(dtype).reshape(shape))
+
+
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """A metadata value of a `gguf.GGUFReader` (or a `GGUFFile`), or `default` where the file has none."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()

@@ -41,10 +41,11 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float,
     return x, rms_norm(x, weight, eps).to(h_dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> Tensor:
-    """The D/2 rotation speeds theta^(-2i/D), with llama3 frequency scaling when configured."""
+def rope_frequencies(cfg: ModelConfig, theta: float | None = None) -> Tensor:
+    """The D/2 rotation speeds theta^(-2i/D) (theta: cfg.rope_theta unless given), with llama3 frequency scaling
+    when configured."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     rs = cfg.rope_scaling
     if rs and rs.get("rope_type", rs.get("type")) == "llama3":
         factor = rs["factor"]

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from ..config import CheckpointError, ModelConfig
 from .llama import Llama
+from .registry import ModelRegistry
 
 
 def _hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -65,14 +66,16 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
         raise CheckpointError(f"{single}: not a readable safetensors file ({e})") from None
 
 
-def load_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor the config calls for, by HF name, shape-checked."""
+def load_state(folder: str | Path, cfg: ModelConfig,
+               shapes: dict[str, tuple[int, ...]] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor the config calls for (`shapes`: a family's names and shapes; default Llama's), by HF name,
+    shape-checked."""
     folder = Path(folder)
     files = _tensor_files(folder)
     out: dict[str, torch.Tensor] = {}
     handles: dict[Path, object] = {}
     try:
-        for name, shape in _hf_shapes(cfg).items():
+        for name, shape in (shapes or _hf_shapes(cfg)).items():
             if name not in files:
                 raise CheckpointError(f"{folder}: tensor {name!r} is missing from the checkpoint")
             path = files[name]
@@ -94,9 +97,10 @@ def load_state(folder: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 def load_model(
     folder: str | Path, dtype: torch.dtype = torch.float32, cfg: ModelConfig | None = None, pack: bool = True,
 ) -> Llama:
-    """A `Llama` with the folder's weights, in eval mode; with `pack`, its matrices also get oneDNN's
-    blocked copies (`Llama.pack_weights`: faster, the weights' memory again). `dtype` bfloat16 holds the
-    matrices and K/V in bf16 (`Llama.cast_matrices`), the rest in fp32.
+    """The model of the folder's architecture (`ModelRegistry`) with its weights, in eval mode. A `Llama` with
+    `pack` also gets oneDNN's blocked copies of its matrices (`Llama.pack_weights`: faster, the weights' memory
+    again); `dtype` bfloat16 holds its matrices and K/V in bf16 (`Llama.cast_matrices`), the rest in fp32.
+    Another family reads its own tensor names (`hf_shapes`, `load_hf_state`) and runs fp32.
 
     >>> model = load_model(fetch.default_model_dir())   # doctest: +SKIP
     """
@@ -104,6 +108,14 @@ def load_model(
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     cfg = cfg or ModelConfig.from_folder(folder)
+    cls = ModelRegistry.resolve_model_cls(cfg.architecture)
+    if cls is not Llama:
+        if dtype != torch.float32:
+            raise ValueError(f"{cfg.architecture} runs in float32 so far; dtype={dtype} is not possible")
+        model = cls(cfg).load_hf_state(load_state(folder, cfg, cls.hf_shapes(cfg)))
+        if pack:
+            model.pack_weights()
+        return model
     sd = load_state(folder, cfg)
     model = Llama(cfg)
     with torch.no_grad():

@@ -90,11 +90,14 @@ class KVCache:
             raise CacheFullError(f"cannot advance {n_new} past max_len {self.max_len} (length {self.length})")
         self.length += n_new
 
-    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    supports_sliding_window = True
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         """The KVBackend: write the new k/v, attend the new queries over the whole prefix.
 
         q (B, T, H, D), k/v (B, T, K, D) -> (B, T, H*D). Query t sits at position length + t
-        and sees keys [0, length + t]: everything cached, and the new tokens causally.
+        and sees keys [0, length + t]: everything cached, and the new tokens causally; with a sliding
+        `window`, only the last `window` of them (the slots before stay allocated, unread).
         """
         B, T = q.shape[:2]
         start, end = self.length, self.length + T
@@ -105,6 +108,9 @@ class KVCache:
         k_layer, v_layer = self._layers[layer]  # (B, K, S, D) views of this layer's storage
         k_layer.narrow(2, start, T).copy_(k.transpose(1, 2))  # (B, K, T, D) into the slots
         v_layer.narrow(2, start, T).copy_(v.transpose(1, 2))
+        if window is not None and end > window:
+            keys, values = k_layer[:, :, :end].transpose(1, 2), v_layer[:, :, :end].transpose(1, 2)
+            return causal_attention(q, keys, values, start, window=window)
         if T == 1 and B == 1 and q.dtype == torch.float32 and not q.is_cuda:  # one query: the bag read (Day 13)
             values = v_layer.reshape(-1, v_layer.shape[-1])  # (K * max_len, D): the rows the bags index
             return decode_attention(q, k_layer[:, :, :end], values, self._value_bags(end, q.shape[2]))

@@ -1,0 +1,328 @@
+"""Gemma 3, the second family, on torch's ops (Day 43): what changes from Llama, in one file.
+
+Token ids -> embeddings scaled by sqrt(hidden) -> n_layers x (norm, attention, norm, + residual; norm, GeGLU
+MLP, norm, + residual) -> norm -> the tied head. Beside Llama's layer:
+- every RMSNorm multiplies by (1 + w), and each sublayer's output is normed again before the residual add;
+- q and k are RMSNormed per head (QK-norm) before RoPE; scores are scaled by query_pre_attn_scalar^-0.5;
+- the layers of `cfg.layer_types` "sliding_attention" see only their last `sliding_window` positions and
+  rotate with a base of `rope_local_theta` (10k), the others every position with `rope_theta` (1e6);
+- the MLP's gate is gelu (tanh form), not silu.
+The KV backend interface is Llama's (`attention.causal`); a sliding layer whose step reaches past its window
+asks the backend for the window and refuses, by name, one that cannot honour it.
+
+The GGUF conversion's Gemma bits live here too (`gguf_config`, `gguf_state_dict`, `gguf_tokenizer`): llama.cpp
+stores every norm weight as 1 + w and no q/k permutation; its vocabulary is SentencePiece BPE with no merges.
+
+Shapes: B batch, T new tokens, H query heads, K kv heads, D head_dim, C hidden.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention.causal import KVBackend, no_cache_backend
+from ..config import ModelConfig
+from .gguf_file import gguf_field
+from .matmul import PACK_ROWS, embedding, linear, linear_weight, pack, tiled
+from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
+
+
+def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 (a weight of zeros is the identity scale)."""
+    return rms_norm(x, 1.0 + weight, eps)
+
+
+def attend(kv: KVBackend, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, seen: int) -> Tensor:
+    """The backend's attention for one layer; `seen`: positions the step's last query sees (its position + 1).
+    A window that step does not reach changes nothing; one it reaches is the backend's to honour, or to refuse."""
+    if window is None or seen <= window:
+        return kv(layer, q, k, v)
+    if not getattr(kv, "supports_sliding_window", False):
+        raise NotImplementedError(
+            f"{type(kv).__name__} cannot honour a sliding window of {window} positions, and this step reaches "
+            f"position {seen - 1}: run Gemma 3 without a cache or on stages.contiguous.KVCache")
+    return kv(layer, q, k, v, window=window)
+
+
+class Gemma3Block(nn.Module):
+    """One Gemma 3 decoder layer. q/k/v and gate/up are each one fused matrix, as in Llama's `Block`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.window = cfg, cfg.window(layer)
+        C, D, H, K = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        self.attn_norm, self.post_attn_norm = nn.Parameter(torch.zeros(C)), nn.Parameter(torch.zeros(C))
+        self.mlp_norm, self.post_mlp_norm = nn.Parameter(torch.zeros(C)), nn.Parameter(torch.zeros(C))
+        self.q_norm, self.k_norm = nn.Parameter(torch.zeros(D)), nn.Parameter(torch.zeros(D))
+        self.wqkv = linear_weight((H + 2 * K) * D, C)  # (out, in)
+        self.wo = linear_weight(C, H * D)
+        self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
+        self.w_down = linear_weight(C, cfg.intermediate_size)
+        # SDPA scales by D^-0.5; q is pre-scaled when the config asks for another scale (Gemma 3 270M: none)
+        self.q_scale = None if cfg.query_pre_attn_scalar in (None, D) else math.sqrt(D / cfg.query_pre_attn_scalar)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
+                compiled: bool | None = False) -> Tensor:
+        """x (B, T, C) -> (B, T, C): x + norm(attention(norm(x))), then that + norm(mlp(norm(that))). `compiled`:
+        the products' road (`linear`: the tiles where the model packed them)."""
+        eps = self.cfg.rms_norm_eps
+        h = self.attention(gemma_rms_norm(x, self.attn_norm, eps), cos, sin, layer, kv, seen, compiled)
+        x = x + gemma_rms_norm(h, self.post_attn_norm, eps)
+        h = self.mlp(gemma_rms_norm(x, self.mlp_norm, eps), compiled)
+        return x + gemma_rms_norm(h, self.post_mlp_norm, eps)
+
+    def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
+                  compiled: bool | None = False) -> Tensor:
+        cfg = self.cfg
+        B, T, _ = h.shape
+        H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        q, k, v = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
+        q = apply_rope(gemma_rms_norm(q, self.q_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, H, D)
+        k = apply_rope(gemma_rms_norm(k, self.k_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, K, D)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        out = attend(kv, layer, q, k, v, self.window, seen)  # (B, T, H*D)
+        return linear(out.view(B, T, H * D), self.wo, compiled)
+
+    def mlp(self, h: Tensor, compiled: bool | None = False) -> Tensor:
+        """GeGLU: gelu_tanh(gate) * up from one product, projected back down. h (B, T, C)."""
+        gate, up = linear(h, self.w_gate_up, compiled).chunk(2, dim=-1)
+        return linear(F.gelu(gate, approximate="tanh") * up, self.w_down, compiled)
+
+
+class Gemma3(nn.Module):
+    """Token ids and their positions in, next-token logits out: Llama's interface (`forward`, `hidden_states`,
+    `logits`), so the no-cache road and the contiguous cache run it unchanged. Torch ops, fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.architecture != "Gemma3ForCausalLM" or not cfg.tie_word_embeddings:
+            raise ValueError(f"Gemma3 takes a tied Gemma3ForCausalLM config, got {cfg.architecture}")
+        self.cfg = cfg
+        V, C = cfg.vocab_size, cfg.hidden_size
+        self.embed = linear_weight(V, C)  # the table and the tied head, stored [in, out] as every head is
+        self.layers = nn.ModuleList(Gemma3Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.Parameter(torch.zeros(C))
+        self.register_buffer("embed_scale", torch.tensor(math.sqrt(C)), persistent=False)  # fp32, as transformers
+        self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)  # the full layers'
+        self.register_buffer("inv_freq_local", rope_frequencies(cfg, cfg.rope_local_theta), persistent=False)
+
+    @property
+    def lm_head(self) -> Tensor:
+        return self.embed
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.dtype
+
+    kv_dtype = dtype
+
+    def hidden_states(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+                      compiled: bool | None = None) -> Tensor:
+        """ids (B, T) -> final normed hidden states (B, T, C). `compiled`: the products' road (`linear`), the rest
+        torch's ops."""
+        if ids.dim() == 1:
+            ids = ids[None]
+        B, T = ids.shape
+        if positions is None:
+            positions = torch.arange(T, device=ids.device).expand(B, T)
+        kv = kv or no_cache_backend()
+        seen = int(positions.max()) + 1
+        rope = {None: rope_cos_sin(self.inv_freq, positions), "local": rope_cos_sin(self.inv_freq_local, positions)}
+        x = embedding(ids, self.embed, self.dtype) * self.embed_scale  # (B, T, C)
+        for i, block in enumerate(self.layers):
+            cos, sin = rope["local" if block.window else None]  # (B, T, 1, D) each
+            x = block(x, cos, sin, i, kv, seen, compiled)
+        return gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+
+    def logits(self, h: Tensor, compiled: bool | None = None) -> Tensor:
+        """The tied head: h (..., C) -> fp32 logits (..., V)."""
+        return linear(h, self.lm_head, compiled).float()
+
+    def forward(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
+                last_only: bool = False, logit_index: Tensor | None = None, compiled: bool | None = None) -> Tensor:
+        """Logits (B, T, V); with `last_only` (B, V) for the last position; with `logit_index` (B,) each row's."""
+        h = self.hidden_states(ids, positions, kv, compiled)
+        if logit_index is not None:
+            h = h[torch.arange(h.shape[0], device=h.device), logit_index]
+        elif last_only:
+            h = h[:, -1]
+        return self.logits(h, compiled)
+
+    def matrices(self) -> list[Tensor]:
+        """Every matrix a product multiplies by: each layer's four, then the tied head."""
+        return [w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [self.lm_head]
+
+    def pack_weights(self, rows: int = PACK_ROWS) -> int:
+        """Llama's `pack_weights`: every matrix a copy laid out for its product (tiles on x86 CPUs), for the
+        weights' memory once more. Returns the bytes added."""
+        return sum(w.numel() * w.element_size() for w in self.matrices() if pack(w, rows))
+
+    def one_row_same_bits(self, compiled: bool | None) -> bool:
+        """Whether a step of one row gets the bits a step of many would: every product on the tiles (as Llama's);
+        elsewhere a batch-invariant runner pads it (`ModelRunner`)."""
+        return bool(compiled) and all(tiled(w) is not None for w in self.matrices())
+
+    @classmethod
+    def random(cls, cfg: ModelConfig, seed: int = 0) -> Gemma3:
+        """Random weights with sensible scale (norm weights near 0, so their scale near 1): for unit tests."""
+        g = torch.Generator().manual_seed(seed)
+        model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                scale = 0.1 if "norm" in name else 1.0 / math.sqrt(p.shape[-1])
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+        return model.eval()
+
+    # -- the checkpoint folder: transformers' Gemma3ForCausalLM names ---------------------------------------
+
+    @staticmethod
+    def hf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        C, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size  # noqa: E741
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, C),
+                                              "model.norm.weight": (C,)}
+        for i in range(cfg.n_layers):
+            p = f"model.layers.{i}."
+            shapes.update({p + n: (C,) for n in _NORMS.values()})
+            shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
+                           p + "self_attn.q_proj.weight": (cfg.n_heads * D, C),
+                           p + "self_attn.k_proj.weight": (cfg.n_kv_heads * D, C),
+                           p + "self_attn.v_proj.weight": (cfg.n_kv_heads * D, C),
+                           p + "self_attn.o_proj.weight": (C, cfg.n_heads * D),
+                           p + "mlp.gate_proj.weight": (I, C), p + "mlp.up_proj.weight": (I, C),
+                           p + "mlp.down_proj.weight": (C, I)})
+        return shapes
+
+    def load_hf_state(self, sd: dict[str, Tensor]) -> Gemma3:
+        """Copy a checkpoint's tensors (transformers' names, `hf_shapes`) in; q/k/v and gate/up concatenated."""
+        with torch.no_grad():
+            self.embed.copy_(sd["model.embed_tokens.weight"])
+            self.norm.copy_(sd["model.norm.weight"])
+            for i, blk in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                for attr, name in _NORMS.items():
+                    getattr(blk, attr).copy_(sd[p + name])
+                blk.q_norm.copy_(sd[p + "self_attn.q_norm.weight"])
+                blk.k_norm.copy_(sd[p + "self_attn.k_norm.weight"])
+                blk.wqkv.copy_(torch.cat([sd[p + f"self_attn.{n}_proj.weight"] for n in "qkv"]))
+                blk.wo.copy_(sd[p + "self_attn.o_proj.weight"])
+                blk.w_gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
+                blk.w_down.copy_(sd[p + "mlp.down_proj.weight"])
+        return self.eval()
+
+
+_NORMS = {"attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
+          "mlp_norm": "pre_feedforward_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight"}
+
+
+# -- the GGUF conversion's Gemma bits (`fetch.convert_gguf` calls them) ---------------------------------------
+
+_GGUF_TO_HF = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+SLIDING_WINDOW_PATTERN = 6  # llama.cpp's and transformers' Gemma 3: five sliding layers, then one full
+ROPE_LOCAL_THETA = 10_000.0  # the sliding layers' RoPE base: not in the GGUF, the same in every Gemma 3
+
+
+def gguf_config(reader) -> ModelConfig:
+    """The config a gemma3 GGUF describes; what it leaves out is Gemma 3's constant (the layer pattern, the local
+    RoPE base) or llama.cpp's rule (the query scale: head_dim, except 27B's hidden / heads)."""
+    a = "gemma3."
+    n_layers, n_heads = int(gguf_field(reader, a + "block_count")), int(gguf_field(reader, a + "attention.head_count"))
+    hidden = int(gguf_field(reader, a + "embedding_length"))
+    head_dim = int(gguf_field(reader, a + "attention.key_length", hidden // n_heads))
+    if any(t.name == "output.weight" for t in reader.tensors):
+        raise ValueError("a gemma3 GGUF with an untied output.weight is not one nanoserve converts")
+    return ModelConfig(
+        architecture="Gemma3ForCausalLM",
+        vocab_size=len(gguf_field(reader, "tokenizer.ggml.tokens")),
+        hidden_size=hidden,
+        intermediate_size=int(gguf_field(reader, a + "feed_forward_length")),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(gguf_field(reader, a + "attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(gguf_field(reader, a + "context_length")),
+        rms_norm_eps=float(np.float32(gguf_field(reader, a + "attention.layer_norm_rms_epsilon"))),
+        rope_theta=float(gguf_field(reader, a + "rope.freq_base", 1_000_000.0)),
+        rope_local_theta=ROPE_LOCAL_THETA,
+        tie_word_embeddings=True,
+        bos_token_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=[int(gguf_field(reader, "tokenizer.ggml.eos_token_id"))],
+        layer_types=["sliding_attention" if (i + 1) % SLIDING_WINDOW_PATTERN else "full_attention"
+                     for i in range(n_layers)],
+        sliding_window=int(gguf_field(reader, a + "attention.sliding_window")),
+        query_pre_attn_scalar=hidden // n_heads if n_layers == 62 else head_dim,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+
+
+def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, Tensor]:
+    """Every tensor dequantized to fp32 under transformers' name; llama.cpp's 1 + w norms back to w."""
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    sd = {}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        parts = t.name.split(".")
+        if t.name == "token_embd.weight":
+            name = "model.embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            name = "model.norm.weight"
+        elif parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
+            name = f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"
+        else:
+            raise ValueError(f"tensor {t.name!r} is not one a Gemma 3 GGUF has")
+        if name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp's converter stored 1 + w, the scale the norm multiplies by
+        sd[name] = torch.from_numpy(np.array(w, order="C"))  # a writable copy: the reader's arrays are read-only
+    return sd
+
+
+def vocabulary_merges(tokens: list[str]) -> list[tuple[str, str]]:
+    """BPE merges a vocabulary implies when its file lists none: every split of a token into two tokens, ranked
+    by the token's place in the vocabulary (Gemma's is its merge order: its scores fall with the index), longer
+    left part first (transformers' `generate_merges` gives the same list)."""
+    vocab = set(tokens)
+    return [(t[:cut], t[cut:]) for t in tokens for cut in range(len(t) - 1, 0, -1)
+            if t[:cut] in vocab and t[cut:] in vocab]
+
+
+def gguf_tokenizer(reader):
+    """A `tokenizers.Tokenizer` for the GGUF's SentencePiece BPE (llama.cpp's "llama" model): spaces as "▁", bytes
+    as <0x..> fallback tokens, no prefix space, BOS added; control tokens special, user-defined ones whole."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
+
+    if (kind := gguf_field(reader, "tokenizer.ggml.model")) != "llama":
+        raise ValueError(f"GGUF tokenizer model {kind!r} is not Gemma's SentencePiece ('llama')")
+    raw = list(gguf_field(reader, "tokenizer.ggml.tokens"))
+    kinds = list(gguf_field(reader, "tokenizer.ggml.token_type"))
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in raw]  # runs of spaces, as "▁"s
+    unk = raw[int(gguf_field(reader, "tokenizer.ggml.unknown_token_id"))]
+    bos = raw[int(gguf_field(reader, "tokenizer.ggml.bos_token_id"))]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=vocabulary_merges(tokens),
+                               unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    if gguf_field(reader, "tokenizer.ggml.add_bos_token", True):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))])
+    # llama.cpp's CONTROL (3) tokens are special; its USER_DEFINED (4) ones (newline runs, HTML tags) are matched
+    # whole, except the space runs respelled above, which BPE reaches from "▁"
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, kinds) if k == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, r, k in zip(tokens, raw, kinds) if k == 4 and t == r])
+    return tok, tokens
+
