@@ -76,6 +76,8 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def weight_ints(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
     """blocks (N, nb * bytes) -> (q (N, nb, 32) int32 in position order, d_w (N, nb) fp32, m_w (N, nb) fp32 or None)."""
     nbytes = block_bytes(fmt)
+    if fmt not in ("q4_1", "q8_0"):
+        raise ValueError(f"int8 activations: no product for {fmt} blocks (q4_1 and q8_0 have one)")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % nbytes:
         raise ValueError(f"blocks: expected uint8 (rows, n * {nbytes}) for {fmt}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")
