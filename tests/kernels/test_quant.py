@@ -264,3 +264,28 @@ def test_each_format_error_against_fp32_weights():
     means = {fmt: mean for fmt, _, _, mean, _ in rows}
     assert means["q8_0"] < means["q6_k"] < means["q5_0"] < min(means["q4_1"], means["q4_k"])
     assert all(prod < 0.2 for *_, prod in rows)
+
+
+@pytest.mark.slow
+def test_the_portable_build_gives_the_same_bits(block_ext):
+    """quant.cpp built alone as a CPU without AVX2 gets it (every format on its portable road, Q4_1 and Q8_0
+    included): the fixed order and this machine's build, bit for bit. Built once, cached by source (~1.5 min)."""
+    from pathlib import Path
+
+    name, flags = kernels.build_flags()
+    if name == "nanoserve_kernels":
+        pytest.skip("this machine's build is the portable one")
+    flags = [f for f in flags if not f.startswith("-mavx") and f != "-mfma"] + [f"-I{kernels.CSRC}"]
+    ext = kernels.build("nanoserve_quant_portable", [quant.SOURCE, Path(__file__).with_name(
+        "quant_portable_module.cpp")], flags)
+    assert {road for _, road, _, _ in ext.block_kernels()} == {"portable"}
+    for fmt in FORMATS + GROUPED:
+        for n, k, rows in K_SHAPES[:5] + K_SHAPES[7:]:
+            blocks, _ = blocks_for(n, k, fmt, seed=n + k)
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            out = ext.block_linear(x, blocks, fmt)
+            assert torch.equal(out, fixed_order(x, quant.dequantize(blocks, fmt))), (fmt, n, k, rows)
+            with torch.inference_mode():
+                assert torch.equal(out, quant.block_linear(x, blocks, fmt)), (fmt, n, k, rows)
+        random = finite_random_blocks(5, 1024 // quant.block_weights(fmt), fmt, seed=17)
+        assert torch.equal(ext.block_dequantize(random, 1024, fmt, ""), quant.dequantize(random, fmt)), fmt
