@@ -69,41 +69,56 @@ def unpack_q8_0(b: Tensor) -> Tensor:
     return b[..., 2:].contiguous().view(torch.int8).float() * _half(b, 0)
 
 
-def unpack_q5_0(b: Tensor) -> Tensor:
-    """Q5_0, 22 bytes: fp16 d, 32 high bits (little-endian), 16 bytes of low nibbles -> d * (q - 16) (exact)."""
+def q5_0_ints(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q5_0 blocks (N, nb, 22) -> their integers q - 16 (N, nb, 32) int32 in -16..15 and d (N, nb, 1)."""
     qh = b[..., 2:6].long()  # (N, nb, 4)
     bits = (qh.unsqueeze(-1) >> torch.arange(8)) & 1  # (N, nb, 4, 8): bit j of the 32 is weight j's fifth bit
     qs = b[..., 6:]
     q = torch.cat([qs & 15, qs >> 4], -1).long() | (bits.flatten(-2) << 4)
-    return _half(b, 0) * (q - 16).float()
+    return (q - 16).int(), _half(b, 0)
 
 
-def unpack_q4_k(b: Tensor) -> Tensor:
-    """Q4_K, 144 bytes a super-block of 8 x 32: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes
-    of nibbles -> (d * sc) * q - dmin * m per sub-block (d * sc, its product with q and dmin * m are exact)."""
+def unpack_q5_0(b: Tensor) -> Tensor:
+    """Q5_0, 22 bytes: fp16 d, 32 high bits (little-endian), 16 bytes of low nibbles -> d * (q - 16) (exact)."""
+    q, d = q5_0_ints(b)
+    return d * q.float()
+
+
+def q4_k_ints(b: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_K super-blocks (N, nb, 144) -> q (N, nb, 8, 32) int32 in 0..15, each sub-block's step d * sc and offset
+    dmin * m (N, nb, 8, 1), exact: 12 bytes hold the 8 6-bit scales and mins (llama.cpp's get_scale_min_k4)."""
     s = b[..., 4:16].long()  # (N, nb, 12)
     lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], -1)  # (N, nb, 8)
     mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], -1)
     qs = b[..., 16:].reshape(*b.shape[:-1], 4, 1, 32)  # sub-block 2c: low nibbles of bytes 32c.., 2c + 1: high
-    q = torch.cat([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32).float()
-    d = (_half(b, 0) * sc.float()).unsqueeze(-1)  # (N, nb, 8, 1)
-    m = (_half(b, 2) * mn.float()).unsqueeze(-1)
-    return (d * q - m).flatten(-2)
+    q = torch.cat([qs & 15, qs >> 4], -2).reshape(*b.shape[:-1], 8, 32).int()
+    return q, (_half(b, 0) * sc.float()).unsqueeze(-1), (_half(b, 2) * mn.float()).unsqueeze(-1)
+
+
+def unpack_q4_k(b: Tensor) -> Tensor:
+    """Q4_K, 144 bytes a super-block of 8 x 32: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes
+    of nibbles -> (d * sc) * q - dmin * m per sub-block (d * sc, its product with q and dmin * m are exact)."""
+    q, step, low = q4_k_ints(b)
+    return (step * q.float() - low).flatten(-2)
+
+
+def q6_k_ints(b: Tensor) -> tuple[Tensor, Tensor]:
+    """Q6_K super-blocks (N, nb, 210) -> q - 32 (N, nb, 16, 16) int32 in -32..31 and each sub-block's step
+    d * scale (N, nb, 16, 1), exact."""
+    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 1, 64)  # each half of 128 weights: 64 low nibbles, 64 high
+    low = torch.cat([ql & 15, ql >> 4], -2).reshape(*b.shape[:-1], 2, 128)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)  # bits 2k, 2k + 1 of byte j: weight 32k + j of the half
+    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).reshape(*b.shape[:-1], 2, 128)
+    q = ((low.int() | (high.int() << 4)) - 32).reshape(*b.shape[:-1], 16, 16)
+    return q, (_half(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()).unsqueeze(-1)
 
 
 def unpack_q6_k(b: Tensor) -> Tensor:
     """Q6_K, 210 bytes a super-block of 16 x 16: 128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales,
     fp16 d -> (d * scale) * (q - 32) per sub-block (exact)."""
-    ql = b[..., 0:128].reshape(*b.shape[:-1], 2, 1, 64)  # each half of 128 weights: 64 low nibbles, 64 high
-    low = torch.cat([ql & 15, ql >> 4], -2).reshape(*b.shape[:-1], 2, 128)
-    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 1, 32)  # bits 2k, 2k + 1 of byte j: weight 32k + j of the half
-    high = ((qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)) & 3).reshape(*b.shape[:-1], 2, 128)
-    q = ((low.long() | (high.long() << 4)) - 32).reshape(*b.shape[:-1], 16, 16).float()
-    d = _half(b, 208) * b[..., 192:208].contiguous().view(torch.int8).float()  # (N, nb, 16)
-    return (d.unsqueeze(-1) * q).flatten(-2)
-
-
+    q, step = q6_k_ints(b)
+    return (step * q.float()).flatten(-2)
 
 
 def load(verbose: bool = False) -> ModuleType | None:
