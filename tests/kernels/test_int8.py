@@ -272,6 +272,17 @@ def test_grouped_formats_every_road_is_the_reference_bit_for_bit(ext, fmt, shape
                 assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt, road), want), (road, rows)
 
 
+@pytest.mark.parametrize("k", [96, 352, 608])
+def test_q5_0_rows_off_a_chunk_of_eight_groups(ext, k):
+    """A Q5_0 row of 3, 11 or 19 groups: the x86 roads take eight at a time, then the rest one at a time."""
+    blocks, _ = blocks_for(9, k, "q5_0", seed=k)
+    x = activations(5, k, seed=k + 1)
+    with torch.inference_mode():
+        want = int8.block_linear_int8_reference(x, blocks, "q5_0")
+        for road in ext.int8_roads():
+            assert torch.equal(int8.block_linear_int8(x, blocks, "q5_0", road), want), road
+
+
 @pytest.mark.parametrize("fmt", GROUPED)
 def test_grouped_formats_on_random_bytes_and_in_any_batch(ext, fmt):
     """Every bit pattern of the blocks (finite fp16 fields) the reference's way, and a row's bits in any batch."""

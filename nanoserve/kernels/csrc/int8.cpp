@@ -303,18 +303,73 @@ GROUP_AVX2 inline int32_t hsum128(__m128i v) {
   return _mm_cvtsi128_si32(v);
 }
 
+// The sums of halves of eight groups' products p[0..7] (vpmaddwd's: lanes 0-3 the first half, 4-7 the second): i0 (8)
+// and i1 (8), group t in lane t. Integer adds: exact in any order.
+GROUP_AVX2 inline void halves8(const __m256i* p, __m256i& i0, __m256i& i1) {
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  i0 = _mm256_permute2x128_si256(h0, h1, 0x20);  // h0, h1 hold groups 0-3, 4-7: first halves low, second high
+  i1 = _mm256_permute2x128_si256(h0, h1, 0x31);
+}
+
 // group_rows_scalar's arithmetic with each half's integer sum taken by vpmaddubsw (|qw| <= 32 and |q| <= 127: no
-// pair of products saturates 16 bits) and vpmaddwd.
+// pair of products saturates 16 bits) and vpmaddwd, eight groups at a time: groups 8c..8c + 7 are lanes 0-7 or
+// 8-15 of acc, so their fp32 steps (group_c's, lane by lane) are vector steps. A row's last nb % 8 groups take
+// group_c itself.
 template <GFmt F>
 GROUP_AVX2 void group_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a,
                                 int64_t B, float* out, int64_t N) {
   using G = GroupFormat<F>;
   const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int8_t qs[8][32];  // eight groups' integer weights
+  alignas(32) float sa[8], sb[8];  // and their scales
   for (int64_t o = o0; o < o1; ++o)
     for (int64_t r0 = 0; r0 < B; r0 += GTILE) {
       const int R = static_cast<int>(std::min<int64_t>(GTILE, B - r0));
-      float acc[GTILE][GROUP] = {};
-      for (int64_t g = 0; g < a.nb; ++g) {
+      __m256 accv[GTILE][2];
+      for (int r = 0; r < GTILE; ++r) accv[r][0] = accv[r][1] = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= a.nb; g += 8) {
+        for (int t = 0; t < 8; ++t) {
+          const uint8_t* blk = w + o * row_bytes + (g + t) / G::GROUPS * G::BYTES;
+          const int s = static_cast<int>((g + t) % G::GROUPS);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(qs[t]), group_ints_avx2<F>(blk, s));
+          const GroupScales sc = group_scales<F>(blk, s);
+          sa[t] = sc.a, sb[t] = sc.b;
+        }
+        const __m256 va = _mm256_load_ps(sa), vb = _mm256_load_ps(sb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = a.qi + (r0 + r) * a.kq;
+          __m256i p[8];
+          for (int t = 0; t < 8; ++t) {
+            const int8_t* xb = qx + lo_at(g + t);
+            const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 64)),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs[t]));
+            p[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), ones);
+          }
+          __m256i i0, i1;
+          halves8(p, i0, i1);
+          const int64_t at = (r0 + r) * a.ld + g;
+          const __m256 d = _mm256_loadu_ps(a.d + at);
+          __m256 c;
+          if constexpr (F == GFmt::Q6_K) {
+            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(i0));
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(vb, d), _mm256_cvtepi32_ps(i1)));
+          } else {
+            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
+            if constexpr (F == GFmt::Q4_K) c = _mm256_add_ps(c, _mm256_mul_ps(vb, _mm256_loadu_ps(a.ds + at)));
+          }
+          __m256& lane = accv[r][(g / 8) % 2];
+          lane = _mm256_add_ps(lane, c);
+        }
+      }
+      alignas(32) float acc[GTILE][GROUP];
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(acc[r], accv[r][0]);
+        _mm256_store_ps(acc[r] + 8, accv[r][1]);
+      }
+      for (; g < a.nb; ++g) {  // the last groups, one at a time
         const uint8_t* blk = w + o * row_bytes + g / G::GROUPS * G::BYTES;
         const int s = static_cast<int>(g % G::GROUPS);
         const __m256i q = group_ints_avx2<F>(blk, s), aq = _mm256_sign_epi8(q, q);
