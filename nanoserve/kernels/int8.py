@@ -17,6 +17,10 @@ The arithmetic (`csrc/int8.cpp` says it in full), per row of x and weight row:
                   acc[b % 16] += c, block by block
     the end:      the 16 sums added in a fixed tree (`tree16`)
 
+Q5_0, Q4_K and Q6_K (Gemma 3's formats) take the same steps group of 32 by group, each group with its own
+scales (`group_terms` says which; `csrc/int8.cpp` has the steps): their integer sums come from the portable loop
+or, on every x86 road, from AVX2's, and they have no packed layout.
+
 The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI, AVX-VNNI, AVX2, the
 portable loop) gives the same bits, a row's result depends on that row of x only, and
 `block_linear_int8_reference` (torch, the same steps) gives them too.
@@ -32,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import available, resolve
+from . import available, quant, resolve
 from . import load as load_kernels
 from .quant import BLOCK, block_bytes
 
@@ -76,6 +80,8 @@ def quantize_activations(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 def weight_ints(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None]:
     """blocks (N, nb * bytes) -> (q (N, nb, 32) int32 in position order, d_w (N, nb) fp32, m_w (N, nb) fp32 or None)."""
     nbytes = block_bytes(fmt)
+    if fmt not in ("q4_1", "q8_0"):
+        raise ValueError(f"weight_ints reads q4_1 and q8_0 blocks; {fmt}'s are group_terms'")
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % nbytes:
         raise ValueError(f"blocks: expected uint8 (rows, n * {nbytes}) for {fmt}, got {blocks.dtype} "
                          f"{tuple(blocks.shape)}")
@@ -88,12 +94,37 @@ def weight_ints(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None
     return b[..., 2:].contiguous().view(torch.int8).int(), d, None
 
 
+def group_terms(blocks: Tensor, fmt: str) -> tuple[Tensor, Tensor, Tensor | None, bool]:
+    """blocks (N, nb * bytes) in any format -> its groups of 32 as the product reads them: (qw (N, ng, 32) int32 in
+    position order, a (N, ng) fp32, b (N, ng) fp32 or None, halves). halves False: c = (a * d) * isum, then + b * ds
+    (Q4_1: a = d_w, b = m_w; Q8_0, Q5_0: a = d_w; Q4_K: a = d * sc_s, b = -(dmin * m_s)); halves True (Q6_K):
+    c = (a * d) * isum0, then + (b * d) * isum1, a and b the scales of positions 0..15 and 16..31."""
+    if fmt in ("q4_1", "q8_0"):
+        q, d, m = weight_ints(blocks, fmt)
+        return q, d, m, False
+    f = quant.block_format(fmt)
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % f.bytes:
+        raise ValueError(f"blocks: expected uint8 (rows, n * {f.bytes}) for {fmt}, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    N = blocks.shape[0]
+    b = blocks.reshape(N, -1, f.bytes)  # (N, nb, bytes)
+    if fmt == "q5_0":
+        q, d = quant.q5_0_ints(b)  # one group a block
+        return q, d[..., 0], None, False
+    if fmt == "q4_k":
+        q, step, low = quant.q4_k_ints(b)
+        return q.reshape(N, -1, BLOCK), step.reshape(N, -1), -low.reshape(N, -1), False
+    q, step = quant.q6_k_ints(b)  # (N, nb, 16, 16): a group of 32 is two sub-blocks
+    step = step.reshape(N, -1, 2)
+    return q.reshape(N, -1, BLOCK), step[..., 0], step[..., 1], True
+
+
 def block_linear_int8_reference(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:
-    """The compiled product's arithmetic in torch, step for step: x (..., K) fp32, blocks (N, K / 32 * bytes)
+    """The compiled product's arithmetic in torch, step for step: x (..., K) fp32, blocks (N, row_bytes(fmt, K))
     -> (..., N), the same bits as `block_linear_int8` on every road."""
     q, d, s = quantize_activations(x)
-    qw, dw, mw = weight_ints(blocks, fmt)  # (N, nb, 32), (N, nb), (N, nb)
-    N, nb = dw.shape
+    qw, aw, bw, halves = group_terms(blocks, fmt)  # (N, nb, 32), (N, nb), (N, nb)
+    N, nb = aw.shape
     if nb * BLOCK != x.shape[-1]:
         raise ValueError(f"blocks: {nb} {fmt} blocks a row do not take {x.shape[-1]} inputs")
     B = q.numel() // max(nb * BLOCK, 1)
@@ -104,13 +135,21 @@ def block_linear_int8_reference(x: Tensor, blocks: Tensor, fmt: str) -> Tensor:
     step = max(1, REFERENCE_ELEMENTS // max(B * nb, 1))
     for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
-        # isum[r, n, b]: block b's dot product in integers (below 2^20: exact in fp32 in any order)
-        isum = torch.einsum("rbj,nbj->rnb", qx, qw[n0:n1].float())
+        qwn = qw[n0:n1].float()
+        # isum[r, n, b]: block b's dot product in integers (below 2^20: exact in fp32 in any order), or its halves'
+        isum = torch.einsum("rbj,nbj->rnb", qx, qwn)
+        if halves:
+            isum0 = torch.einsum("rbj,nbj->rnb", qx[..., :16], qwn[..., :16])
+            isum1 = torch.einsum("rbj,nbj->rnb", qx[..., 16:], qwn[..., 16:])
         acc = torch.zeros(B, n1 - n0, LANES)
         for b in range(nb):  # block by block, in order, block b into lane b % 16
-            c = (dw[None, n0:n1, b] * d[:, None, b]) * isum[..., b]  # (B, n): (d_w * d) * isum
-            if mw is not None:
-                c = c + mw[None, n0:n1, b] * ds[:, None, b]  # + m_w * (d * s)
+            if halves:
+                c = (aw[None, n0:n1, b] * d[:, None, b]) * isum0[..., b]
+                c = c + (bw[None, n0:n1, b] * d[:, None, b]) * isum1[..., b]
+            else:
+                c = (aw[None, n0:n1, b] * d[:, None, b]) * isum[..., b]  # (B, n): (d_w * d) * isum
+                if bw is not None:
+                    c = c + bw[None, n0:n1, b] * ds[:, None, b]  # + m_w * (d * s)
             acc[..., b % LANES] = acc[..., b % LANES] + c
         out[:, n0:n1] = tree16(acc)
     return out.view(*x.shape[:-1], N)
@@ -147,12 +186,17 @@ def packed_here() -> bool:
     return bool(available() and load_kernels().int8_packed_here())  # type: ignore[union-attr]
 
 
-def pack(blocks: Tensor, fmt: str, road: str | None = None) -> Tensor:
+PACKED_FORMATS = ("q4_1", "q8_0")  # the formats with a packed layout; the others' products read the blocks
+
+
+def pack(blocks: Tensor, fmt: str, road: str | None = None) -> Tensor | None:
     """blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout (None: this CPU's best), 1-dim,
     (N + 3) // 4 * 4 rows' worth and a 64-byte tail: blocks moved so that each register's lanes are one (row,
     block) each (`csrc/int8.cpp`: four rows' quads side by side for AVX512-VNNI, a row's groups of eight for
-    AVX2)."""
+    AVX2). None for a format without one (Q5_0, Q4_K, Q6_K), whose product reads the blocks as they lie."""
     block_bytes(fmt)
+    if fmt not in PACKED_FORMATS:
+        return None
     return load_kernels().pack_blocks_int8(blocks, fmt, road or "")  # type: ignore[union-attr]
 
 

@@ -249,3 +249,78 @@ def test_packed_layouts_keep_non_finite_blocks_and_refuse_bad_input(ext):
         ext.pack_blocks_int8(blocks, "q8_0", "")  # rows of 60 bytes are not Q8_0's
     with pytest.raises(RuntimeError, match="road 'scalar' has no packed layout"):
         int8.pack(blocks, "q4_1", "scalar")
+
+
+GROUPED = ["q5_0", "q4_k", "q6_k"]  # quant.cpp's formats read 32 weights a group (Gemma 3's GGUF)
+K_SHAPES = [(1, 256), (7, 512), (17, 768), (33, 1280), (40, 4096)]  # 16 groups a lane wrap past 512 inputs
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+@pytest.mark.parametrize("shape", K_SHAPES)
+def test_grouped_formats_every_road_is_the_reference_bit_for_bit(ext, fmt, shape):
+    """Q5_0, Q4_K and Q6_K on int8 activations: the portable loop and AVX2's integer sums (every x86 road) give
+    the torch reference's bits, for 1 to 6 rows of x (tiles of four and what is left)."""
+    n, k = shape
+    blocks, _ = blocks_for(n, k, fmt, seed=n + k)
+    x = activations(6, k, seed=k)
+    with torch.inference_mode():
+        for rows in range(1, 7):
+            want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
+            assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt), want), rows
+            assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt, compiled=False), want), rows
+            for road in ext.int8_roads():
+                assert torch.equal(int8.block_linear_int8(x[:rows], blocks, fmt, road), want), (road, rows)
+
+
+@pytest.mark.parametrize("k", [96, 352, 608])
+def test_q5_0_rows_off_a_chunk_of_eight_groups(ext, k):
+    """A Q5_0 row of 3, 11 or 19 groups: the x86 roads take eight at a time, then the rest one at a time."""
+    blocks, _ = blocks_for(9, k, "q5_0", seed=k)
+    x = activations(5, k, seed=k + 1)
+    with torch.inference_mode():
+        want = int8.block_linear_int8_reference(x, blocks, "q5_0")
+        for road in ext.int8_roads():
+            assert torch.equal(int8.block_linear_int8(x, blocks, "q5_0", road), want), road
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+def test_grouped_formats_on_random_bytes_and_in_any_batch(ext, fmt):
+    """Every bit pattern of the blocks (finite fp16 fields) the reference's way, and a row's bits in any batch."""
+    f = quant.FORMATS[fmt]
+    blocks = torch.randint(0, 256, (24, 2 * f.bytes), generator=torch.Generator().manual_seed(7), dtype=torch.uint8)
+    for at in {"q5_0": [0], "q4_k": [0, 2], "q6_k": [208]}[fmt]:
+        blocks.view(24, 2, f.bytes)[..., at + 1] &= 0xbb
+    x = activations(13, 2 * f.weights, seed=8)
+    with torch.inference_mode():
+        full = int8.block_linear_int8_reference(x, blocks, fmt)
+        for road in ext.int8_roads():
+            assert torch.equal(int8.block_linear_int8(x, blocks, fmt, road), full), road
+            for rows in ([5], [0, 12], list(range(3, 10)), list(range(12, -1, -3))):
+                assert torch.equal(int8.block_linear_int8(x[rows], blocks, fmt, road), full[rows]), (road, rows)
+
+
+@pytest.mark.parametrize("fmt", GROUPED)
+@pytest.mark.parametrize("loud", [False, True])
+def test_grouped_formats_error_against_the_fp32_block_product(ext, fmt, loud):
+    """As for Q4_1 and Q8_0: within x's rounding per output, 1% (2% with loud channels) over the matrix."""
+    n, k = 640, 2048
+    blocks, _ = blocks_for(n, k, fmt, seed=9)
+    w = quant.dequantize(blocks, fmt).double()
+    x = activations(8, k, seed=10) if loud else torch.randn(8, k, generator=torch.Generator().manual_seed(10))
+    with torch.inference_mode():
+        got = int8.block_linear_int8(x, blocks, fmt).double()
+        fp32 = quant.block_linear(x, blocks, fmt).double()
+    rounding = 2.0**-16 * (x.double().abs() @ w.abs().T)
+    assert ((got - fp32).abs() <= int8.error_bound(x, blocks, fmt).double() * (1 + 1e-3) + rounding).all()
+    assert ((got - fp32).norm() / fp32.norm()).item() < (0.02 if loud else 0.01)
+
+
+def test_grouped_formats_refuse_bad_input(ext):
+    blocks, _ = blocks_for(4, 512, "q4_k", seed=11)
+    with pytest.raises(RuntimeError, match="last dim 320 is not a multiple of the block size 256"):
+        ext.block_linear_int8(torch.randn(2, 320), blocks, "q4_k", "")
+    with pytest.raises(RuntimeError, match="blocks: rows of 288 bytes, expected 420"):
+        ext.block_linear_int8(torch.randn(2, 512), blocks, "q6_k", "")
+    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0'"):
+        ext.pack_blocks_int8(blocks, "q4_k", "")  # no packed layout for them
+    assert int8.pack(blocks, "q4_k") is None  # so a BlockWeight on int8 activations reads its blocks

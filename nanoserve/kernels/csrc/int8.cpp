@@ -14,6 +14,7 @@
 //   acc[b % 16]  = acc[b % 16] + c
 // then out = (u0 + u2) + (u1 + u3), u_j = t_j + t_{j+4}, t_j = acc[j] + acc[j + 8]. (llama.cpp scales each block's
 // integer sum the same way, with fp16 d; its order of fp32 adds is its own.)
+// Q5_0, Q4_K and Q6_K take the same steps group of 32 by group, with their own scales (see group_rows_scalar).
 //
 // Sixteen lanes so that the fp32 work is vector work: the integer sums of sixteen blocks are gathered into one
 // register (AVX-512: a quad of 4 blocks of each of four weight rows; AVX2: 8 blocks of one row) and scaled there.
@@ -166,6 +167,228 @@ void rows_scalar(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t
       out[r * N + o] = f == Fmt::Q4_1 ? dot_scalar<Fmt::Q4_1>(w + o * row_bytes, a, r)
                                       : dot_scalar<Fmt::Q8_0>(w + o * row_bytes, a, r);
 }
+
+// ---- Q5_0, Q4_K and Q6_K (quant.cpp's formats read 32 weights a group): group g meets x's block g. With the
+// group's integer weights qw (Q5_0: q - 16, Q4_K: q, Q6_K: q - 32) and the integer sums of its halves, i0 over
+// positions 0..15 and i1 over 16..31 (exact):
+//   Q5_0  c = (d_w * d) * float(i0 + i1)
+//   Q4_K  c = (D_s * d) * float(i0 + i1),  c = c + (-M_s) * ds     (D_s = d * sc_s, M_s = dmin * m_s: Q4_1's steps)
+//   Q6_K  c = (D_0 * d) * float(i0),  c = c + (D_1 * d) * float(i1) (D_h = d * the half's scale)
+//   acc[g % 16] = acc[g % 16] + c, then tree16.
+// The fp32 steps are one scalar function on every road; the integer sums are exact however they are taken (the
+// portable loop, or AVX2's vpmaddubsw on every x86 road), so every road gives the same bits.
+enum class GFmt { Q5_0, Q4_K, Q6_K };
+
+template <GFmt F>
+struct GroupFormat {
+  static constexpr int64_t BYTES = F == GFmt::Q5_0 ? 22 : F == GFmt::Q4_K ? 144 : 210;
+  static constexpr int64_t GROUPS = F == GFmt::Q5_0 ? 1 : 8;  // groups of 32 a block
+};
+
+struct GroupScales {
+  float a, b;  // Q5_0: d_w; Q4_K: D_s, -M_s; Q6_K: D_0, D_1
+};
+
+template <GFmt F>
+GroupScales group_scales(const uint8_t* blk, int s) {
+  if constexpr (F == GFmt::Q5_0) {
+    return {half(blk), 0.0f};
+  } else if constexpr (F == GFmt::Q4_K) {
+    const uint8_t* q = blk + 4;
+    const int sc = s < 4 ? q[s] & 63 : (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
+    const int m = s < 4 ? q[s + 4] & 63 : (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    return {half(blk) * static_cast<float>(sc), -(half(blk + 2) * static_cast<float>(m))};
+  } else {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * s;
+    const float d = half(blk + 208);
+    return {d * static_cast<float>(sc[0]), d * static_cast<float>(sc[1])};
+  }
+}
+
+// The group's 32 integer weights, in position order.
+template <GFmt F>
+void group_ints(const uint8_t* blk, int s, int8_t q[32]) {
+  if constexpr (F == GFmt::Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = static_cast<int8_t>(((blk[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      q[j + 16] = static_cast<int8_t>(((blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  } else if constexpr (F == GFmt::Q4_K) {
+    const uint8_t* p = blk + 16 + 32 * (s >> 1);
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>((p[j] >> (4 * (s & 1))) & 15);
+  } else {
+    const int h = s >> 2, k = s & 3;
+    const uint8_t *ql = blk + 64 * h + 32 * (k & 1), *qh = blk + 128 + 32 * h;
+    for (int j = 0; j < 32; ++j)
+      q[j] = static_cast<int8_t>((((ql[j] >> (4 * (k >> 1))) & 15) | (((qh[j] >> (2 * k)) & 3) << 4)) - 32);
+  }
+}
+
+template <GFmt F>
+inline float group_c(GroupScales sc, int32_t i0, int32_t i1, float d, float ds) {
+  if constexpr (F == GFmt::Q6_K) {
+    const float c = sc.a * d * static_cast<float>(i0);
+    return c + sc.b * d * static_cast<float>(i1);
+  } else {
+    const float c = sc.a * d * static_cast<float>(i0 + i1);
+    if constexpr (F == GFmt::Q4_K) return c + sc.b * ds;
+    return c;
+  }
+}
+
+constexpr int GTILE = 4;  // rows of x per unpacked group
+
+// Weight rows o0..o1 against all B rows of x, one group unpacked for up to GTILE rows of x: the portable loop.
+template <GFmt F>
+void group_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
+                       float* out, int64_t N) {
+  using G = GroupFormat<F>;
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r0 = 0; r0 < B; r0 += GTILE) {
+      const int R = static_cast<int>(std::min<int64_t>(GTILE, B - r0));
+      float acc[GTILE][GROUP] = {};
+      for (int64_t g = 0; g < a.nb; ++g) {
+        const uint8_t* blk = w + o * row_bytes + g / G::GROUPS * G::BYTES;
+        const int s = static_cast<int>(g % G::GROUPS);
+        int8_t q[32];
+        group_ints<F>(blk, s, q);
+        const GroupScales sc = group_scales<F>(blk, s);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = a.qi + (r0 + r) * a.kq + lo_at(g);  // positions 0..15 at qx[0..15], 16..31 at qx[64..]
+          int32_t i0 = 0, i1 = 0;
+          for (int j = 0; j < 16; ++j) i0 += q[j] * qx[j], i1 += q[16 + j] * qx[64 + j];
+          const int64_t at = (r0 + r) * a.ld + g;
+          acc[r][g % GROUP] = acc[r][g % GROUP] + group_c<F>(sc, i0, i1, a.d[at], a.ds[at]);
+        }
+      }
+      for (int r = 0; r < R; ++r) out[(r0 + r) * N + o] = tree16(acc[r]);
+    }
+}
+
+#ifdef NANOSERVE_INT8_X86
+#define GROUP_AVX2 __attribute__((target("avx2,fma")))
+// The group's integer weights as 32 signed bytes, unpacked in a register (quant.cpp's avx2 unpackers, stopped
+// before the conversion to floats).
+template <GFmt F>
+GROUP_AVX2 inline __m256i group_ints_avx2(const uint8_t* blk, int s) {
+  if constexpr (F == GFmt::Q5_0) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)), low = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i high = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                           _mm256_set1_epi64x(-1));
+    return _mm256_or_si256(q, _mm256_andnot_si256(high, _mm256_set1_epi8(static_cast<char>(0xf0))));
+  } else if constexpr (F == GFmt::Q4_K) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (s >> 1)));
+    return _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (s & 1))), _mm256_set1_epi8(15));
+  } else {
+    const int h = s >> 2, k = s & 3;
+    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+    __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(15));
+    qh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3)), 4);
+    return _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+  }
+}
+
+GROUP_AVX2 inline int32_t hsum128(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4e));
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xb1));
+  return _mm_cvtsi128_si32(v);
+}
+
+// The sums of halves of eight groups' products p[0..7] (vpmaddwd's: lanes 0-3 the first half, 4-7 the second): i0 (8)
+// and i1 (8), group t in lane t. Integer adds: exact in any order.
+GROUP_AVX2 inline void halves8(const __m256i* p, __m256i& i0, __m256i& i1) {
+  const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  i0 = _mm256_permute2x128_si256(h0, h1, 0x20);  // h0, h1 hold groups 0-3, 4-7: first halves low, second high
+  i1 = _mm256_permute2x128_si256(h0, h1, 0x31);
+}
+
+// group_rows_scalar's arithmetic with each half's integer sum taken by vpmaddubsw (|qw| <= 32 and |q| <= 127: no
+// pair of products saturates 16 bits) and vpmaddwd, eight groups at a time: groups 8c..8c + 7 are lanes 0-7 or
+// 8-15 of acc, so their fp32 steps (group_c's, lane by lane) are vector steps. A row's last nb % 8 groups take
+// group_c itself.
+template <GFmt F>
+GROUP_AVX2 void group_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a,
+                                int64_t B, float* out, int64_t N) {
+  using G = GroupFormat<F>;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) int8_t qs[8][32];  // eight groups' integer weights
+  alignas(32) float sa[8], sb[8];  // and their scales
+  for (int64_t o = o0; o < o1; ++o)
+    for (int64_t r0 = 0; r0 < B; r0 += GTILE) {
+      const int R = static_cast<int>(std::min<int64_t>(GTILE, B - r0));
+      __m256 accv[GTILE][2];
+      for (int r = 0; r < GTILE; ++r) accv[r][0] = accv[r][1] = _mm256_setzero_ps();
+      int64_t g = 0;
+      for (; g + 8 <= a.nb; g += 8) {
+        for (int t = 0; t < 8; ++t) {
+          const uint8_t* blk = w + o * row_bytes + (g + t) / G::GROUPS * G::BYTES;
+          const int s = static_cast<int>((g + t) % G::GROUPS);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(qs[t]), group_ints_avx2<F>(blk, s));
+          const GroupScales sc = group_scales<F>(blk, s);
+          sa[t] = sc.a, sb[t] = sc.b;
+        }
+        const __m256 va = _mm256_load_ps(sa), vb = _mm256_load_ps(sb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = a.qi + (r0 + r) * a.kq;
+          __m256i p[8];
+          for (int t = 0; t < 8; ++t) {
+            const int8_t* xb = qx + lo_at(g + t);
+            const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(xb + 64)),
+                                               _mm_loadu_si128(reinterpret_cast<const __m128i*>(xb)));
+            const __m256i q = _mm256_load_si256(reinterpret_cast<const __m256i*>(qs[t]));
+            p[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), ones);
+          }
+          __m256i i0, i1;
+          halves8(p, i0, i1);
+          const int64_t at = (r0 + r) * a.ld + g;
+          const __m256 d = _mm256_loadu_ps(a.d + at);
+          __m256 c;
+          if constexpr (F == GFmt::Q6_K) {
+            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(i0));
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(vb, d), _mm256_cvtepi32_ps(i1)));
+          } else {
+            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
+            if constexpr (F == GFmt::Q4_K) c = _mm256_add_ps(c, _mm256_mul_ps(vb, _mm256_loadu_ps(a.ds + at)));
+          }
+          __m256& lane = accv[r][(g / 8) % 2];
+          lane = _mm256_add_ps(lane, c);
+        }
+      }
+      alignas(32) float acc[GTILE][GROUP];
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(acc[r], accv[r][0]);
+        _mm256_store_ps(acc[r] + 8, accv[r][1]);
+      }
+      for (; g < a.nb; ++g) {  // the last groups, one at a time
+        const uint8_t* blk = w + o * row_bytes + g / G::GROUPS * G::BYTES;
+        const int s = static_cast<int>(g % G::GROUPS);
+        const __m256i q = group_ints_avx2<F>(blk, s), aq = _mm256_sign_epi8(q, q);
+        const GroupScales sc = group_scales<F>(blk, s);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qx = a.qi + (r0 + r) * a.kq + lo_at(g);
+          const __m256i x = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qx + 64)),
+                                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(qx)));
+          const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(x, q)), ones);
+          const int32_t i0 = hsum128(_mm256_castsi256_si128(p)), i1 = hsum128(_mm256_extracti128_si256(p, 1));
+          const int64_t at = (r0 + r) * a.ld + g;
+          acc[r][g % GROUP] = acc[r][g % GROUP] + group_c<F>(sc, i0, i1, a.d[at], a.ds[at]);
+        }
+      }
+      for (int r = 0; r < R; ++r) out[(r0 + r) * N + o] = tree16(acc[r]);
+    }
+}
+#undef GROUP_AVX2
+#endif
 
 // (the last argument: the end of the weight's bytes, which a road may not read past)
 using RowsFn = void (*)(Fmt, const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t,
@@ -422,6 +645,46 @@ int64_t checked_rows(const torch::Tensor& x) {
   return K == 0 ? 0 : x.numel() / K;
 }
 
+// Q5_0, Q4_K, Q6_K on `road`: its quantizer, then the portable loop (the scalar road) or AVX2's integer sums (the
+// x86 roads, which all have AVX2).
+using GroupRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
+
+template <GFmt F>
+GroupRowsFn group_rows_for(const Road& road) {
+#ifdef NANOSERVE_INT8_X86
+  if (std::string(road.name) != "scalar") return group_rows_avx2<F>;
+#endif
+  (void)road;
+  return group_rows_scalar<F>;
+}
+
+torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std::string& fmt, const std::string& name) {
+  const Road& road = pick(name);
+  const int64_t B = checked_rows(x), K = x.size(-1);
+  const GFmt f = fmt == "q5_0" ? GFmt::Q5_0 : fmt == "q4_k" ? GFmt::Q4_K : GFmt::Q6_K;
+  const int64_t weights = f == GFmt::Q5_0 ? QK : 256;
+  const int64_t bytes = f == GFmt::Q5_0 ? GroupFormat<GFmt::Q5_0>::BYTES
+                        : f == GFmt::Q4_K ? GroupFormat<GFmt::Q4_K>::BYTES : GroupFormat<GFmt::Q6_K>::BYTES;
+  TORCH_CHECK(K % weights == 0, "x: last dim ", K, " is not a multiple of the block size ", weights, " (", fmt, ")");
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
+              blocks.is_contiguous(), "blocks: expected a contiguous 2-dim uint8 CPU tensor, got ",
+              blocks.scalar_type(), " of shape ", blocks.sizes());
+  const int64_t N = blocks.size(0), row_bytes = K / weights * bytes;
+  TORCH_CHECK(blocks.size(1) == row_bytes, "blocks: rows of ", blocks.size(1), " bytes, expected ", row_bytes, " (",
+              K / weights, " ", fmt, " blocks of ", bytes, " bytes for ", K, " inputs)");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  torch::Tensor out = torch::empty(shape, x.options());
+  if (B == 0 || N == 0) return out;
+  const GroupRowsFn rows = f == GFmt::Q5_0 ? group_rows_for<GFmt::Q5_0>(road)
+                           : f == GFmt::Q4_K ? group_rows_for<GFmt::Q4_K>(road) : group_rows_for<GFmt::Q6_K>(road);
+  const Quantized z = quantize(x.data_ptr<float>(), B, K, road);
+  const uint8_t* w = blocks.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) { rows(w, row_bytes, begin, end, z.acts, B, o, N); });
+  return out;
+}
+
 }  // namespace int8q
 }  // namespace
 
@@ -450,10 +713,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_activations_int
   return {q, d.view(shape), s.view(shape)};
 }
 
-// x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N), x
-// quantized to int8 blocks first. road: "" for the best this CPU has, or one of int8_roads() by name.
+// x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes; Q4_K, Q6_K: per 256) uint8
+// -> (..., N), x quantized to int8 blocks first. road: "" for the best this CPU has, or one of int8_roads() by name.
 torch::Tensor block_linear_int8(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road) {
   using namespace int8q;
+  if (fmt == "q5_0" || fmt == "q4_k" || fmt == "q6_k") return group_linear_int8(x, blocks, fmt, road);
   TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
   const Fmt f = fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
   const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;

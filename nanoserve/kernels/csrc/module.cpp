@@ -24,7 +24,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");
   m.def("logprob_rows", &logprob_rows, nogil, "each row's log-sum-exp, a token's logit and rank, the top k");
   m.def("apply_bitmask_", &apply_bitmask_, "every logit a row's token bitmask forbids set to -inf, in place");
-  m.def("block_linear", &block_linear, nogil, "x @ w.T for a weight held as GGUF Q4_1 or Q8_0 blocks");
+  m.def("block_linear", &block_linear, nogil, "x @ w.T for a weight held as GGUF blocks (block_kernels lists them)",
+        pybind11::arg("x"), pybind11::arg("blocks"), pybind11::arg("fmt"), pybind11::arg("road") = "");
+  m.def("block_dequantize", &block_dequantize, nogil, "GGUF blocks expanded to fp32 as a road's product expands them");
+  m.def("block_kernels", &block_kernels, "(format, road, bytes, weights) of each block product, best road first");
   m.def("block_linear_int8", &block_linear_int8, nogil,
         "block_linear with x quantized to int8 blocks (llama.cpp's way)");
   m.def("quantize_activations_int8", &quantize_activations_int8, "x's int8 blocks: (q, d, s)");

@@ -41,7 +41,9 @@ void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* query_start_loc,
                           const int64_t* seq_lens, const int64_t* block_tables, int64_t R, int64_t W, double scale,
                           int64_t split_keys, float* out, Team* team = nullptr);
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt);
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t K, std::string fmt, std::string road);
+std::vector<std::tuple<std::string, std::string, int64_t, int64_t>> block_kernels();
 torch::Tensor argmax_rows(torch::Tensor logits);
 std::vector<torch::Tensor> logprob_rows(torch::Tensor logits, torch::Tensor tokens, int64_t k);
 void apply_bitmask_(torch::Tensor logits, torch::Tensor bitmask);

@@ -10,6 +10,9 @@
 // takes weight j of every block, in block order, by fused multiply-add), then adds them in a fixed tree.
 // AVX-512, AVX2 and the portable loop run that same arithmetic, so they give the same bits, and a row's
 // result never depends on the other rows of x: batching cannot change it.
+//
+// Q5_0, Q4_K and Q6_K (further down) are read as groups of 32 weights and summed the same way. Every format enters
+// through one table, KERNELS: its bytes and weights a block, and on each road its product and its expansion.
 #include "nanoserve.h"
 
 #include <ATen/Parallel.h>
@@ -18,6 +21,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -416,6 +422,275 @@ void matmul(const uint8_t* w, int64_t N, int64_t nb, const float* x, int64_t B, 
   });
 }
 
+
+// ---- Q5_0, Q4_K and Q6_K: a format as data plus an unpacker ----
+//
+//   Q5_0  22 bytes / 32:   fp16 d, 4 bytes of high bits, 16 of nibbles   weight j = d * (q_j - 16)
+//   Q4_K  144 bytes / 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles;
+//                          sub-block s of 32: weight = (d * sc_s) * q - dmin * m_s
+//   Q6_K  210 bytes / 256: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, fp16 d;
+//                          sub-block s of 16: weight = (d * sc_s) * (q - 32)
+// (kernels/quant.py's unpackers say where each bit lies.) d * sc and the products with q are exact in fp32 (at
+// most 11 + 7 + 5 bits), so each weight rounds at most once, at Q4_K's "- dmin * m": the numbers expanded are
+// gguf's. Each format's unpacker expands one group of 32 consecutive weights (group s of a block); the product
+// around it is the same for all of them and is Q4_1's and Q8_0's arithmetic: 32 running sums, sum j taking weight
+// j of every group in row order by fused multiply-add, then reduce32's tree. So every road gives the same bits.
+//
+// The roads: "avx2" (256-bit; the AVX-512 build runs it too, as these formats have no 512-bit unpacker yet) and
+// "portable" (one float at a time, compiled in every build). The table at the end of the file holds them.
+
+struct Q5_0 {
+  static constexpr int64_t BYTES = 22, WEIGHTS = 32;
+  static void unpack(const uint8_t* blk, int, float w[32]) {
+    const float d = *fp16(blk);
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      w[j] = d * static_cast<float>(static_cast<int>((blk[6 + j] & 15) | (((qh >> j) & 1) << 4)) - 16);
+      w[j + 16] = d * static_cast<float>(static_cast<int>((blk[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+};
+
+struct Q4_K {
+  static constexpr int64_t BYTES = 144, WEIGHTS = 256;
+  // sub-block s's step d * sc and offset dmin * m (llama.cpp's get_scale_min_k4), both exact
+  static void scale_min(const uint8_t* blk, int s, float& step, float& low) {
+    const uint8_t* q = blk + 4;
+    const int sc = s < 4 ? q[s] & 63 : (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
+    const int m = s < 4 ? q[s + 4] & 63 : (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+    step = *fp16(blk) * static_cast<float>(sc);
+    low = *fp16(blk + 2) * static_cast<float>(m);
+  }
+  static void unpack(const uint8_t* blk, int s, float w[32]) {
+    float step, low;
+    scale_min(blk, s, step, low);
+    const uint8_t* q = blk + 16 + 32 * (s >> 1);  // sub-blocks 2c and 2c + 1: low and high nibbles of 32 bytes
+    const int shift = 4 * (s & 1);
+    for (int j = 0; j < 32; ++j) w[j] = std::fma(step, static_cast<float>((q[j] >> shift) & 15), -low);
+  }
+};
+
+struct Q6_K {
+  static constexpr int64_t BYTES = 210, WEIGHTS = 256;
+  // group s = 4h + k: ql's 32 bytes at 64h + 32(k & 1) (nibble k >> 1), qh's at 128 + 32h (bits 2k, 2k + 1)
+  static void unpack(const uint8_t* blk, int s, float w[32]) {
+    const int h = s >> 2, k = s & 3;
+    const uint8_t *ql = blk + 64 * h + 32 * (k & 1), *qh = blk + 128 + 32 * h;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * s;
+    const float d = *fp16(blk + 208), step0 = d * static_cast<float>(sc[0]), step1 = d * static_cast<float>(sc[1]);
+    for (int j = 0; j < 32; ++j) {
+      const int q = ((ql[j] >> (4 * (k >> 1))) & 15) | (((qh[j] >> (2 * k)) & 3) << 4);
+      w[j] = (j < 16 ? step0 : step1) * static_cast<float>(q - 32);
+    }
+  }
+};
+
+// The portable road: G = 1 weight row against R rows of x, one float at a time.
+template <class U, int R>
+void group_tile_portable(const uint8_t* w, int64_t groups, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  constexpr int64_t SUBS = U::WEIGHTS / QK;
+  float acc[R][32] = {};
+  for (int64_t i = 0; i < groups; ++i) {
+    float wv[32];
+    U::unpack(w + i / SUBS * U::BYTES, static_cast<int>(i % SUBS), wv);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + i * QK;
+      for (int j = 0; j < 32; ++j) acc[r][j] = std::fma(wv[j], xb[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce32(acc[r]);
+}
+
+template <class U>
+void group_matmul_portable(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out, Team* team) {
+  constexpr int TILE4 = 4;
+  const int64_t groups = K / QK, row_bytes = K / U::WEIGHTS * U::BYTES;
+  parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    for (int64_t o = begin; o < end; ++o)
+      for (int64_t b0 = 0; b0 < B; b0 += TILE4) {
+        const int64_t rows = std::min<int64_t>(TILE4, B - b0);
+        with_rows<TILE4>(rows, [&](auto R) {
+          group_tile_portable<U, decltype(R)::value>(w + o * row_bytes, groups, x + b0 * K, K, out + b0 * N + o, N);
+        });
+      }
+  });
+}
+
+template <class U>
+void group_expand_portable(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  const int64_t groups = K / QK, row_bytes = K / U::WEIGHTS * U::BYTES, SUBS = U::WEIGHTS / QK;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      U::unpack(w + ids[i] * row_bytes + g / SUBS * U::BYTES, static_cast<int>(g % SUBS), out + i * K + g * QK);
+}
+
+#if defined(__AVX2__)
+// The avx2 road. 32 signed bytes (weights j = 0..31 as small integers) times a step, as four vectors of 8 floats.
+inline void bytes_times(__m256i q, __m256 step_lo, __m256 step_hi, __m256 w[4]) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_mul_ps(step_lo, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+  w[1] = _mm256_mul_ps(step_lo, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+  w[2] = _mm256_mul_ps(step_hi, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+  w[3] = _mm256_mul_ps(step_hi, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+}
+
+struct Q5_0_avx2 : Q5_0 {
+  static void unpack(const uint8_t* blk, int, __m256 w[4]) {
+    const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 6)), low = _mm_set1_epi8(15);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), low), _mm_and_si128(qs, low));
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    // byte j = 0xff where bit j of qh is set (llama.cpp's bytes_from_bits_32)
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i high = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                           _mm256_set1_epi64x(-1));
+    // q - 16 as a signed byte: the nibble where the high bit is set, the nibble with 0xf0 (i.e. - 16) where not
+    const __m256i q16 = _mm256_or_si256(q, _mm256_andnot_si256(high, _mm256_set1_epi8(static_cast<char>(0xf0))));
+    const __m256 d = _mm256_set1_ps(*fp16(blk));
+    bytes_times(q16, d, d, w);
+  }
+};
+
+struct Q4_K_avx2 : Q4_K {
+  static void unpack(const uint8_t* blk, int s, __m256 w[4]) {
+    float step, low;
+    scale_min(blk, s, step, low);
+    __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (s >> 1)));
+    q = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(4 * (s & 1))), _mm256_set1_epi8(15));
+    const __m256 d = _mm256_set1_ps(step), m = _mm256_set1_ps(-low);
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), m);
+    w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), m);
+    w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), m);
+  }
+};
+
+struct Q6_K_avx2 : Q6_K {
+  static void unpack(const uint8_t* blk, int s, __m256 w[4]) {
+    const int h = s >> 2, k = s & 3;
+    __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (k & 1)));
+    __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(15));
+    qh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3)), 4);
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * s;
+    const float d = *fp16(blk + 208);
+    bytes_times(q, _mm256_set1_ps(d * static_cast<float>(sc[0])), _mm256_set1_ps(d * static_cast<float>(sc[1])), w);
+  }
+};
+
+// reduce32's tree on the four vectors of sums (positions 0-7, 8-15, 16-23, 24-31)
+inline float reduce4x8(const __m256* a) {
+  return reduce8(_mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3])));
+}
+
+// G weight rows against R rows of x, each group expanded in registers and used by all R rows.
+template <class U, int G, int R>
+void group_tile_avx2(const uint8_t* w, int64_t row_bytes, int64_t groups, const float* x, int64_t ldx, float* out,
+                     int64_t ldo) {
+  constexpr int64_t SUBS = U::WEIGHTS / QK;
+  __m256 acc[4 * G * R];  // (g, r)'s four sums at 4 * (g * R + r)
+#pragma GCC unroll 16
+  for (int i = 0; i < 4 * G * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < groups; ++i) {
+#pragma GCC unroll 2
+    for (int g = 0; g < G; ++g) {
+      const uint8_t* blk = w + g * row_bytes + i / SUBS * U::BYTES;
+      if (i % SUBS == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+      __m256 wv[4];
+      U::unpack(blk, static_cast<int>(i % SUBS), wv);
+#pragma GCC unroll 2
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * ldx + i * QK;
+        __m256* a = acc + 4 * (g * R + r);
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), a[k]);
+      }
+    }
+  }
+#pragma GCC unroll 2
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) out[r * ldo + g] = reduce4x8(acc + 4 * (g * R + r));
+}
+
+// One expanded weight row (wf, K floats) against R rows of x: the same sums as group_tile_avx2's.
+template <int R>
+void group_expanded_tile(const float* wf, int64_t groups, const float* x, int64_t ldx, float* out, int64_t ldo) {
+  __m256 acc[4 * R];
+#pragma GCC unroll 12
+  for (int i = 0; i < 4 * R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < groups; ++i) {
+    __m256 wv[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) wv[k] = _mm256_loadu_ps(wf + i * QK + 8 * k);
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * ldx + i * QK;
+#pragma GCC unroll 4
+      for (int k = 0; k < 4; ++k) acc[4 * r + k] = _mm256_fmadd_ps(wv[k], _mm256_loadu_ps(xb + 8 * k), acc[4 * r + k]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce4x8(acc + 4 * r);
+}
+
+template <class U>
+void group_expand_row_avx2(const uint8_t* w, int64_t groups, float* wf) {
+  constexpr int64_t SUBS = U::WEIGHTS / QK;
+  for (int64_t i = 0; i < groups; ++i) {
+    const uint8_t* blk = w + i / SUBS * U::BYTES;
+    if (i % SUBS == 0) _mm_prefetch(reinterpret_cast<const char*>(blk + PREFETCH), _MM_HINT_T0);
+    __m256 wv[4];
+    U::unpack(blk, static_cast<int>(i % SUBS), wv);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(wf + i * QK + 8 * k, wv[k]);
+  }
+}
+
+// Up to two rows of x: groups expanded in registers (two weight rows at a time for one row of x, as Q4_1's
+// rows_together). More: each weight row expanded once into floats (in L1), the rows of x over it three or two at
+// a time, as Q4_1's AVX2 road does (an unpacked K-quant group costs more than reading it back).
+template <class U>
+void group_matmul_avx2(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out, Team* team) {
+  const int64_t groups = K / QK, row_bytes = K / U::WEIGHTS * U::BYTES;
+  if (B <= 2) {
+    parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      int64_t o = begin;
+      if (B == 1)
+        for (; o + 2 <= end; o += 2) group_tile_avx2<U, 2, 1>(w + o * row_bytes, row_bytes, groups, x, K, out + o, N);
+      for (; o < end; ++o) {
+        if (B == 1) group_tile_avx2<U, 1, 1>(w + o * row_bytes, row_bytes, groups, x, K, out + o, N);
+        else group_tile_avx2<U, 1, 2>(w + o * row_bytes, row_bytes, groups, x, K, out + o, N);
+      }
+    });
+    return;
+  }
+  parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(K);
+    const int64_t tiles = (B + 2) / 3;  // B >= 3 rows as even tiles of 2 or 3
+    for (int64_t o = begin; o < end; ++o) {
+      group_expand_row_avx2<U>(w + o * row_bytes, groups, wf.data());
+      for (int64_t t = 0, b0 = 0; t < tiles; ++t) {
+        const int64_t rows = B / tiles + (t < B % tiles);
+        if (rows == 3) group_expanded_tile<3>(wf.data(), groups, x + b0 * K, K, out + b0 * N + o, N);
+        else group_expanded_tile<2>(wf.data(), groups, x + b0 * K, K, out + b0 * N + o, N);
+        b0 += rows;
+      }
+    }
+  });
+}
+
+template <class U>
+void group_expand_avx2(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+  const int64_t groups = K / QK, row_bytes = K / U::WEIGHTS * U::BYTES;
+  for (int64_t i = 0; i < n; ++i) group_expand_row_avx2<U>(w + ids[i] * row_bytes, groups, out + i * K);
+}
+#endif
+
 }  // namespace
 
 // Rows ids[0..n) of a weight (rows of K / 32 blocks) expanded to fp32 into out (n, K), as kernels/quant.py's
@@ -448,28 +723,109 @@ void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const floa
   else matmul<Fmt::Q8_0>(w, N, K / QK, x, B, out, team);
 }
 
-// x (..., K) float32 times a weight of N rows held as blocks (N, K / 32 * block bytes) uint8 -> (..., N).
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt) {
-  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
-  const Fmt f = fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
-  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x: expected a float32 CPU tensor, got ",
-              x.scalar_type(), " on ", x.device());
-  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: expected a contiguous tensor of at least one dim");
+namespace {
+
+#if defined(__AVX512F__)
+constexpr const char* BUILD_ROAD = "avx512";
+#elif defined(__AVX2__)
+constexpr const char* BUILD_ROAD = "avx2";
+#else
+constexpr const char* BUILD_ROAD = "portable";
+#endif
+
+// x (B, K) times N weight rows of K inputs -> out (B, N); and rows ids[0..n) of a weight expanded to fp32 (n, K).
+using Product = void (*)(const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out, Team* team);
+using Expand = void (*)(const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out);
+
+struct Kernel {
+  const char* fmt;
+  const char* road;
+  int64_t bytes, weights;  // per block
+  Product product;
+  Expand expand;
+};
+
+// Every format on every road this build has, the best road of a format first. Q4_1 and Q8_0 have one road per build
+// (its widest); the others have the avx2 road on x86 builds and the portable one everywhere.
+const Kernel KERNELS[] = {
+    {"q4_1", BUILD_ROAD, Q4_1_BYTES, QK,
+     [](const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out, Team* team) {
+       matmul<Fmt::Q4_1>(w, N, K / QK, x, B, out, team); },
+     [](const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+       dequantize_rows(w, true, K, ids, n, out); }},
+    {"q8_0", BUILD_ROAD, Q8_0_BYTES, QK,
+     [](const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B, float* out, Team* team) {
+       matmul<Fmt::Q8_0>(w, N, K / QK, x, B, out, team); },
+     [](const uint8_t* w, int64_t K, const int64_t* ids, int64_t n, float* out) {
+       dequantize_rows(w, false, K, ids, n, out); }},
+#if defined(__AVX2__)
+    {"q5_0", "avx2", Q5_0::BYTES, Q5_0::WEIGHTS, group_matmul_avx2<Q5_0_avx2>, group_expand_avx2<Q5_0_avx2>},
+    {"q4_k", "avx2", Q4_K::BYTES, Q4_K::WEIGHTS, group_matmul_avx2<Q4_K_avx2>, group_expand_avx2<Q4_K_avx2>},
+    {"q6_k", "avx2", Q6_K::BYTES, Q6_K::WEIGHTS, group_matmul_avx2<Q6_K_avx2>, group_expand_avx2<Q6_K_avx2>},
+#endif
+    {"q5_0", "portable", Q5_0::BYTES, Q5_0::WEIGHTS, group_matmul_portable<Q5_0>, group_expand_portable<Q5_0>},
+    {"q4_k", "portable", Q4_K::BYTES, Q4_K::WEIGHTS, group_matmul_portable<Q4_K>, group_expand_portable<Q4_K>},
+    {"q6_k", "portable", Q6_K::BYTES, Q6_K::WEIGHTS, group_matmul_portable<Q6_K>, group_expand_portable<Q6_K>},
+};
+
+// The kernel for fmt on road ("": the format's best road here), or an error naming what there is.
+const Kernel& kernel_for(const std::string& fmt, const std::string& road) {
+  std::string known;
+  for (const Kernel& k : KERNELS) {
+    if (fmt == k.fmt && (road.empty() || road == k.road)) return k;
+    known += std::string(known.empty() ? "" : ", ") + k.fmt + "/" + k.road;
+  }
+  TORCH_CHECK(false, "fmt '", fmt, "' on road '", road.empty() ? "any" : road, "': this build has ", known);
+}
+
+// blocks: a contiguous 2-dim uint8 CPU tensor of rows of K inputs in kernel k's format.
+void check_blocks(const torch::Tensor& blocks, const Kernel& k, int64_t K) {
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
               blocks.is_contiguous(), "blocks: expected a contiguous 2-dim uint8 CPU tensor, got ",
               blocks.scalar_type(), " of shape ", blocks.sizes());
-  const int64_t K = x.size(-1), N = blocks.size(0);
-  TORCH_CHECK(K % QK == 0, "x: last dim ", K, " is not a multiple of the block size 32");
-  TORCH_CHECK(blocks.size(1) == K / QK * bytes, "blocks: rows of ", blocks.size(1), " bytes, expected ",
-              K / QK * bytes, " (", K / QK, " ", fmt, " blocks of ", bytes, " bytes for ", K, " inputs)");
+  TORCH_CHECK(K % k.weights == 0, "x: last dim ", K, " is not a multiple of the block size ", k.weights, " (", k.fmt,
+              ")");
+  TORCH_CHECK(blocks.size(1) == K / k.weights * k.bytes, "blocks: rows of ", blocks.size(1), " bytes, expected ",
+              K / k.weights * k.bytes, " (", K / k.weights, " ", k.fmt, " blocks of ", k.bytes, " bytes for ", K,
+              " inputs)");
+}
+
+}  // namespace
+
+// x (..., K) float32 times a weight of N rows held as blocks (N, K / weights a block * block bytes) uint8 -> (..., N),
+// on `road` ("": the format's best here).
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road) {
+  const Kernel& k = kernel_for(fmt, road);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32, "x: expected a float32 CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.is_contiguous() && x.dim() >= 1, "x: expected a contiguous tensor of at least one dim");
+  const int64_t K = x.size(-1), N = blocks.dim() == 2 ? blocks.size(0) : 0;
+  check_blocks(blocks, k, K);
   const int64_t B = x.numel() / std::max<int64_t>(K, 1);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   torch::Tensor out = torch::empty(shape, x.options());
   if (B == 0 || N == 0) return out;
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  if (f == Fmt::Q4_1) matmul<Fmt::Q4_1>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
-  else matmul<Fmt::Q8_0>(w, N, K / QK, x.data_ptr<float>(), B, out.data_ptr<float>());
+  k.product(blocks.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>(), nullptr);
+  return out;
+}
+
+// Every row of blocks (N, K / weights a block * bytes) expanded to fp32 (N, K) on `road`, as its product expands
+// them: the numbers kernels/quant.py's dequantize computes.
+torch::Tensor block_dequantize(torch::Tensor blocks, int64_t K, std::string fmt, std::string road) {
+  const Kernel& k = kernel_for(fmt, road);
+  check_blocks(blocks, k, K);
+  const int64_t N = blocks.size(0);
+  torch::Tensor out = torch::empty({N, K}, torch::kFloat32);
+  std::vector<int64_t> ids(N);
+  for (int64_t i = 0; i < N; ++i) ids[i] = i;
+  if (N > 0 && K > 0) k.expand(blocks.data_ptr<uint8_t>(), K, ids.data(), N, out.data_ptr<float>());
+  return out;
+}
+
+// The table: (format, road, bytes a block, weights a block) for every kernel this build has, best road first.
+std::vector<std::tuple<std::string, std::string, int64_t, int64_t>> block_kernels() {
+  std::vector<std::tuple<std::string, std::string, int64_t, int64_t>> out;
+  for (const Kernel& k : KERNELS) out.emplace_back(k.fmt, k.road, k.bytes, k.weights);
   return out;
 }
