@@ -13,7 +13,6 @@ import asyncio
 import logging
 import sys
 import time
-from pathlib import Path
 
 from .. import loader
 from ..config import EngineConfig, generation_defaults
@@ -70,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
     128 + its number, with no traceback."""
     import signal
 
-    from ..model.fetch import ensure_model
+    from ..model.fetch import model_folder
     from .app import build_app
 
-    folder = Path(args.model) if args.model else ensure_model()
+    folder = model_folder(args.model)  # a folder, or a model's name (fetched and converted on first use)
     model, tok = loader.from_cli(args)
     name = args.served_model_name or folder.name
     engine = make_engine(model, tok, args)

@@ -124,3 +124,23 @@ def up(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_serve_takes_a_model_by_name(gemma_dir):
+    """`serve --model gemma3-270m`: the second family by its name, served under its folder's name, its greedy text
+    the same as `LLM`'s on the same model."""
+    from nanoserve import LLM, SamplingParams
+
+    port = free_port()
+    proc = start_server(port, ["--model", "gemma3-270m", "--kv-cache-gib", "0.1", "--threads", "1"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == [gemma_dir.name]
+        body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+        served = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    out = LLM("gemma3-270m").generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
+                                      use_tqdm=False)[0].outputs[0]
+    assert served["token_ids"] == out.token_ids and served["text"] == out.text
