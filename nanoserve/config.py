@@ -155,60 +155,27 @@ class ModelConfig:
         return cls.from_hf_dict(d, source=str(path))
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that transformers reads: `LlamaConfig`'s, or `Gemma3TextConfig`'s."""
-        if self.architecture == "Gemma3ForCausalLM":
-            return self._gemma3_hf_dict()
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
+        """The config.json that transformers reads: `LlamaConfig`'s, or `Gemma3TextConfig`'s (the numbers both
+        families have, then each family's own)."""
+        gemma = self.architecture == "Gemma3ForCausalLM"
+        d = {
+            "architectures": [self.architecture], "model_type": ARCHITECTURES[self.architecture],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings, "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta, "rope_scaling": None if gemma else self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "torch_dtype": "float32",
+            "attention_bias": False, "torch_dtype": "float32",
         }
-
-    def _gemma3_hf_dict(self) -> dict[str, Any]:
-        return {
-            "architectures": ["Gemma3ForCausalLM"],
-            "model_type": "gemma3_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.n_layers,
-            "num_attention_heads": self.n_heads,
-            "num_key_value_heads": self.n_kv_heads,
-            "head_dim": self.head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_local_base_freq": self.rope_local_theta,
-            "rope_scaling": None,
-            "sliding_window": self.sliding_window,
-            "layer_types": self.layer_types,
-            "query_pre_attn_scalar": self.query_pre_attn_scalar,
-            "hidden_activation": self.hidden_activation,
-            "final_logit_softcapping": None,
-            "attn_logit_softcapping": None,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
-            "pad_token_id": 0,
-            "attention_bias": False,
-            "torch_dtype": "float32",
+        if not gemma:
+            return d | {"hidden_act": "silu", "mlp_bias": False}
+        return d | {
+            "rope_local_base_freq": self.rope_local_theta, "sliding_window": self.sliding_window,
+            "layer_types": self.layer_types, "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "hidden_activation": self.hidden_activation, "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, "pad_token_id": 0,
         }
 
     @classmethod
