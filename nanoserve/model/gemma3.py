@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
-from .gguf_file import gguf_field
+from .gguf_file import gguf_field, hf_tensors
 from .matmul import PACK_ROWS, embedding, linear, linear_weight, pack, tiled
 from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
 
@@ -269,22 +269,10 @@ def gguf_config(reader) -> ModelConfig:
 
 def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, Tensor]:
     """Every tensor dequantized to fp32 under transformers' name; llama.cpp's 1 + w norms back to w."""
-    from gguf.quants import dequantize
-    from tqdm.auto import tqdm
-
     sd = {}
-    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
-        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
-        parts = t.name.split(".")
-        if t.name == "token_embd.weight":
-            name = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            name = "model.norm.weight"
-        elif parts[0] == "blk" and parts[2] in _GGUF_TO_HF:
-            name = f"model.layers.{parts[1]}.{_GGUF_TO_HF[parts[2]]}.weight"
-        else:
-            raise ValueError(f"tensor {t.name!r} is not one a Gemma 3 GGUF has")
+    for gguf_name, _, name, w in hf_tensors(reader, _GGUF_TO_HF):
+        if name is None or name == "lm_head.weight":
+            raise ValueError(f"tensor {gguf_name!r} is not one a Gemma 3 GGUF has")
         if name.endswith("norm.weight"):
             w = w - np.float32(1.0)  # llama.cpp's converter stored 1 + w, the scale the norm multiplies by
         sd[name] = torch.from_numpy(np.array(w, order="C"))  # a writable copy: the reader's arrays are read-only

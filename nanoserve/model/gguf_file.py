@@ -11,6 +11,7 @@ The one-time conversion (`fetch`) still uses GGUFReader, which it needs whole fo
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -117,3 +118,23 @@ def gguf_field(reader, key: str, default: Any = None) -> Any:
     """A metadata value of a `gguf.GGUFReader` (or a `GGUFFile`), or `default` where the file has none."""
     f = reader.fields.get(key)
     return default if f is None else f.contents()
+
+
+def hf_tensors(reader, layer_names: Mapping[str, str]) -> Iterator[tuple[str, str | None, str | None, np.ndarray]]:
+    """Every tensor of a `gguf.GGUFReader`, dequantized to fp32 in its shape, as (GGUF name, the layer part of a
+    block tensor ("attn_q") or None, the Hugging Face name or None where the naming knows none, array). Block
+    tensors are named by `layer_names` (a family's GGUF part -> HF part); a family's conversion fixes up the rest
+    (Llama's q/k permutation, Gemma's 1 + w norms)."""
+    from gguf.quants import dequantize
+    from tqdm.auto import tqdm
+
+    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+    for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)]) if w.ndim != len(t.shape) else w
+        parts = t.name.split(".")
+        if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+            yield t.name, parts[2], f"model.layers.{parts[1]}.{layer_names[parts[2]]}.weight", w
+        else:
+            yield t.name, None, top.get(t.name), w
