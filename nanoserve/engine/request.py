@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..kv.blocks import BlockTable
+from ..kv.hybrid import HybridTable
 from ..sampling import RowSampler, SamplingParams
 from ..stopping import StopChecker
 from ..structured import Matcher
@@ -61,7 +62,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V is in the cache
-    table: BlockTable | None = None
+    table: BlockTable | HybridTable | None = None  # a HybridTable: one block table per KV cache group
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token or stop string that ended it
     text: str = ""  # the output as text (with a tokenizer), a stop string and what follows cut off

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from ..config import SchedulerConfig
 from ..kv.blocks import BlockManager
+from ..kv.hybrid import HybridBlockManager
 from ..sampling import INVALID
 from .outputs import StepOutput
 from .request import FinishReason, Request, RequestStatus
@@ -99,7 +100,7 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over one block manager."""
 
-    def __init__(self, manager: BlockManager, config: SchedulerConfig | None = None):
+    def __init__(self, manager: BlockManager | HybridBlockManager, config: SchedulerConfig | None = None):
         self.manager = manager
         self.config = config or SchedulerConfig()
         self.waiting: deque[Request] = deque()

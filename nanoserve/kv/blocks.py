@@ -186,6 +186,11 @@ class BlockManager:
         """`BlockPool.reset_prefix_cache`: every cached prefix forgotten, unless a block is in use (then False)."""
         return self.pool.reset_prefix_cache()
 
+    def max_blocks_held(self, num_tokens: int, max_chunk: int | None = None) -> int:
+        """The most blocks a sequence of num_tokens holds at once: all of them, however it is chunked (the
+        `HybridBlockManager` of a model with sliding windows holds fewer)."""
+        return self.blocks_needed(num_tokens)
+
     def check_fits(self, num_tokens: int) -> None:
         """Refuse up front a sequence that could not fit even if it had the whole pool."""
         need = self.blocks_needed(num_tokens)

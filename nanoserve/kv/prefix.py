@@ -65,11 +65,14 @@ class PrefixCache:
     def find(self, h: bytes, tokens: Sequence[int]) -> int | None:
         """The block cached under `h` if its tokens are exactly `tokens`, else None. Counts the query."""
         self.queries += 1
-        block = self.by_hash.get(h)
-        if block is None or self.tokens_of[block] != tuple(tokens):
-            return None
-        self.hits += 1
+        block = self.get(h, tokens)
+        self.hits += block is not None
         return block
+
+    def get(self, h: bytes, tokens: Sequence[int]) -> int | None:
+        """`find` without counting: a look-up that is not a query of its own (a group's block of a hit)."""
+        block = self.by_hash.get(h)
+        return None if block is None or self.tokens_of[block] != tuple(tokens) else block
 
     def insert(self, block: int, h: bytes, tokens: Sequence[int]) -> bool:
         """Name a freshly written full block. False if that content is already cached under another block
