@@ -280,6 +280,7 @@ class CacheConfig:
     kv_cache_bytes: int = 1 << 30  # the pool's size (vLLM sizes it from free GPU memory; here a share of RAM)
     num_blocks: int | None = None  # if set, the pool's size in blocks (kv_cache_bytes is then ignored)
     prefix_caching: bool = True  # full blocks are found by their tokens and shared across requests
+    disable_hybrid_kv_cache_manager: bool = False  # True: one block table for all layers, sliding ones included
 
     def __post_init__(self) -> None:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
@@ -289,17 +290,19 @@ class CacheConfig:
         if self.num_blocks is not None:
             _positive_int("CacheConfig", "num_blocks", self.num_blocks)
 
-    def bytes_per_block(self, cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-        return kv_bytes_per_token(cfg, dtype_bytes) * self.block_size
+    def bytes_per_block(self, cfg: ModelConfig, dtype_bytes: int = 4, num_groups: int = 1) -> int:
+        """A block's K and V: block_size tokens of the layers of one of num_groups KV cache groups (`kv.groups`)."""
+        return kv_bytes_per_token(cfg, dtype_bytes) * self.block_size // num_groups
 
-    def blocks_for(self, cfg: ModelConfig, dtype_bytes: int = 4, max_num_seqs: int | None = None) -> int:
+    def blocks_for(self, cfg: ModelConfig, dtype_bytes: int = 4, max_num_seqs: int | None = None,
+                   num_groups: int = 1) -> int:
         """The pool's block count: `num_blocks` if set, else what kv_cache_bytes holds, at most enough for
-        max_num_seqs full contexts (more could never be used)."""
+        max_num_seqs full contexts in every one of num_groups KV cache groups (more could never be used)."""
         if self.num_blocks is not None:
             return self.num_blocks
-        n = max(1, self.kv_cache_bytes // self.bytes_per_block(cfg, dtype_bytes))
+        n = max(1, self.kv_cache_bytes // self.bytes_per_block(cfg, dtype_bytes, num_groups))
         if max_num_seqs is not None:
-            n = min(n, max_num_seqs * -(-cfg.max_position_embeddings // self.block_size))
+            n = min(n, max_num_seqs * num_groups * -(-cfg.max_position_embeddings // self.block_size))
         return n
 
 
@@ -367,7 +370,8 @@ class EngineConfig:
 
     # the flat keywords `LLM(...)`, `LLMEngine(...)` and `serve` take (vLLM's names), and where each lives
     KEYWORDS = {"block_size": "cache", "kv_cache_bytes": "cache", "num_blocks": "cache",
-                "enable_prefix_caching": ("cache", "prefix_caching"), "max_num_seqs": "scheduler",
+                "enable_prefix_caching": ("cache", "prefix_caching"), "disable_hybrid_kv_cache_manager": "cache",
+                "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
                 "num_scheduler_steps": "scheduler",
                 "speculative_config": "speculative", "batch_invariant": "", "kernels": "", "threads": ""}

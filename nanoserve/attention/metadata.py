@@ -35,7 +35,8 @@ from torch import Tensor
 @dataclass(frozen=True)
 class Chunk:
     """One request's share of a step: `token_ids` to compute now, after `num_computed` tokens whose
-    k/v is already in the blocks of `block_table` (which must also hold slots for the new ones)."""
+    k/v is already in the blocks of `block_table` (which must also hold slots for the new ones). On a pool of
+    several KV cache groups the model runner takes one table per group and prepares each group's step."""
 
     token_ids: Sequence[int]
     num_computed: int

@@ -91,12 +91,17 @@ class PagedAttention:
     """The KVBackend of one paged step: write the step's new k/v into their slots, then attend.
 
     The model calls it once per layer with the rotated q (B, T, H, D) and k, v (B, T, K, D) of the
-    step's tokens, laid out as `prepare` flattened them (B * T = N rows, padding rows last)."""
+    step's tokens, laid out as `prepare` flattened them (B * T = N rows, padding rows last). On a pool of
+    several KV cache groups, `group_metadata` holds each group's (its block tables and slots); a layer reads
+    its own group's."""
 
-    def __init__(self, storage: KVStorage, metadata: AttentionMetadata, impl: str = "reference"):
+    def __init__(self, storage: KVStorage, metadata: AttentionMetadata, impl: str = "reference",
+                 group_metadata: list[AttentionMetadata] | None = None):
         self.storage, self.metadata, self.impl = storage, metadata, impl
+        self.group_metadata = group_metadata or [metadata]
         self.attend = IMPLEMENTATIONS[impl]
-        self.scratch: dict = {}  # what one layer builds and the others reuse
+        self.scratches: list[dict] = [{} for _ in self.group_metadata]  # what one layer builds, its group reuses
+        self.scratch = self.scratches[0]
 
     supports_sliding_window = True  # a sliding layer's queries read their window's keys (`torch_ops.window_attend`)
 
@@ -104,11 +109,13 @@ class PagedAttention:
         B, T, H, D = q.shape
         K = k.shape[2]
         q, k, v = q.reshape(B * T, H, D), k.reshape(B * T, K, D), v.reshape(B * T, K, D)
-        md = self.metadata
+        g = self.storage.layer_group[layer]
+        md, scratch = self.group_metadata[g], self.scratches[g]
         n = md.num_tokens  # real tokens come first: padding rows are never written
         self.storage.write(layer, md.slot_mapping, k[:n], v[:n])
+        k_pool, v_pool = self.storage.layer(layer)
         if window is not None:
-            out = torch_ops.window_attend(q, self.storage.k[layer], self.storage.v[layer], md, window, self.scratch)
+            out = torch_ops.window_attend(q, k_pool, v_pool, md, window, scratch)
         else:
-            out = self.attend(q, k, v, self.storage.k[layer], self.storage.v[layer], md, self.scratch)
+            out = self.attend(q, k, v, k_pool, v_pool, md, scratch)
         return out.view(B, T, H * D)

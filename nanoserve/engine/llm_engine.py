@@ -34,6 +34,8 @@ import torch
 from ..attention import Chunk
 from ..config import EngineConfig
 from ..kv.blocks import BlockManager, RequestTooLarge
+from ..kv.groups import kv_cache_groups, single_group
+from ..kv.hybrid import HybridBlockManager
 from ..kv.storage import KVStorage
 from ..model import Llama
 from ..sampling import INVALID, SEED_BITS, SamplingParams, logprobs_of, sample
@@ -95,9 +97,13 @@ class LLMEngine:
         self.config = config = config if config is not None else EngineConfig.from_kwargs(**options)
         self.model, self.tokenizer, self.clock = model, tokenizer, clock
         cfg, cache = model.cfg, config.cache
-        num_blocks = cache.blocks_for(cfg, model.kv_dtype.itemsize, config.scheduler.max_num_seqs)
-        self.manager = BlockManager(num_blocks, cache.block_size, cache.prefix_caching)
-        self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.kv_dtype),
+        # a block table per KV cache group where sliding layers can give back what their window left behind
+        groups = single_group(cfg) if cache.disable_hybrid_kv_cache_manager else kv_cache_groups(cfg)
+        num_blocks = cache.blocks_for(cfg, model.kv_dtype.itemsize, config.scheduler.max_num_seqs, len(groups))
+        self.manager: BlockManager | HybridBlockManager = BlockManager(
+            num_blocks, cache.block_size, cache.prefix_caching) if len(groups) == 1 else \
+            HybridBlockManager(groups, num_blocks, cache.block_size, cache.prefix_caching)
+        self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.kv_dtype, groups=groups),
                                   config.kernels, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.manager, config.scheduler)
         self.threads: ThreadPolicy | None = None  # "auto": steps run on the cores other programs leave free
@@ -134,10 +140,11 @@ class LLMEngine:
                              f"max_num_seqs={sched.max_num_seqs} run at once")
         max_new = min(params.max_tokens, cfg.max_position_embeddings - len(prompt))
         need = len(prompt) + max_new
-        if self.manager.blocks_needed(need) > self.manager.num_blocks:
+        held = self.manager.max_blocks_held(need, sched.max_num_batched_tokens)
+        if held > self.manager.num_blocks:
             raise RequestTooLarge(
                 f"a request of {len(prompt)} prompt tokens and up to {max_new} new ones needs "
-                f"{self.manager.blocks_needed(need)} blocks of {self.manager.block_size} tokens; the pool has "
+                f"{held} blocks of {self.manager.block_size} tokens; the pool has "
                 f"{self.manager.num_blocks} in all")
         if not sched.chunked_prefill and need > sched.max_num_batched_tokens:
             raise RequestTooLarge(

@@ -66,19 +66,27 @@ class ModelRunner:
         """Copy the blocks `copies` asks for (copy-on-write), then run one step. Logits (R, V) at each request's
         last new token, requests in order; with `num_logits`, logits at the last num_logits[r] tokens of
         request r (0: none), stacked in order (sum, V). `last_argmax` then holds each of those rows' argmax where
-        the step found it beside them (the compiled step), else None."""
+        the step found it beside them (the compiled step), else None. On a pool of several KV cache groups
+        (`storage.groups`) each chunk's block_table is one table per group (`HybridTable.blocks`)."""
         t0 = time.perf_counter()
         self.last_argmax = None
         self.storage.copy_blocks(copies)
         n = sum(len(c.token_ids) for c in chunks)
         pad_one = self.batch_invariant and not self.one_row_same_bits
-        ids, md = prepare(chunks, self.block_size, forward_rows(max(n, 2 if pad_one else 1)))
+        num_rows = forward_rows(max(n, 2 if pad_one else 1))
+        groups = None
+        if self.storage.num_groups > 1:  # a block table per KV cache group: each group's slots and tables
+            steps = [prepare([Chunk(c.token_ids, c.num_computed, c.block_table[g]) for c in chunks],
+                             self.block_size, num_rows) for g in range(self.storage.num_groups)]
+            (ids, md), groups = steps[0], [m for _, m in steps]
+        else:
+            ids, md = prepare(chunks, self.block_size, num_rows)
         rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
-        if self.block_step is not None and applies(md, self.storage.k.dtype == torch.bfloat16):
+        if self.block_step is not None and groups is None and applies(md, self.storage.k.dtype == torch.bfloat16):
             logits, self.last_argmax = self.block_step(ids, md, self.storage, rows)
             return logits
-        backend = PagedAttention(self.storage, md, self.attention)
+        backend = PagedAttention(self.storage, md, self.attention, groups)
         h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.kernels)[0]  # (N, C)
         h = h[rows]  # (R, C)
         if len(h) == 0:
@@ -100,7 +108,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.storage.copy_blocks(copies)
         stops = [sorted(s) for s in stop_ids] if stop_ids else [[] for _ in chunks]
-        if self.block_step is not None:  # its attention is the compiled one
+        if self.block_step is not None and self.storage.num_groups == 1:  # its attention is the compiled one
             R, W, S = len(chunks), max(len(c.block_table) for c in chunks), max(map(len, stops))
             pad = lambda xs, n: [*xs, *[-1] * (n - len(xs))]  # noqa: E731
             flat = torch.frombuffer(array("q", [c.token_ids[0] for c in chunks] + [c.num_computed for c in chunks]
