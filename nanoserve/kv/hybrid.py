@@ -34,6 +34,12 @@ NULL_BLOCK = -1
 """A table entry whose block a sliding window has left behind (vLLM's null block): no block, never read."""
 
 
+def num_skipped(window: int | None, num_computed: int, block_size: int) -> int:
+    """Leading blocks a group no longer needs once num_computed tokens are in: the next query, at position
+    num_computed, sees keys from num_computed - window + 1 on (a full group, window None, needs them all)."""
+    return 0 if window is None else max(0, num_computed - window + 1) // block_size
+
+
 def group_hash(h: bytes, group: int) -> bytes:
     """The prefix cache's name of group `group`'s block for the chained hash h: each group's block is its own."""
     return h if group == 0 else hash_block(h, (-group,))
@@ -87,9 +93,8 @@ class HybridBlockManager:
         return math.ceil(num_tokens / self.block_size)
 
     def num_skipped(self, window: int | None, num_computed: int) -> int:
-        """Leading blocks a group no longer needs once num_computed tokens are in: the next query, at position
-        num_computed, sees keys from num_computed - window + 1 on."""
-        return 0 if window is None else max(0, num_computed - window + 1) // self.block_size
+        """`num_skipped` on this pool's block size."""
+        return num_skipped(window, num_computed, self.block_size)
 
     def max_blocks_held(self, num_tokens: int, max_chunk: int | None = None) -> int:
         """The most blocks a sequence of num_tokens holds at once when computed in chunks of at most max_chunk

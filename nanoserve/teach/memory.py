@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ModelConfig, kv_bytes_per_token
+from ..kv.hybrid import num_skipped
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 """Bytes per element of the dtypes a KV cache is commonly kept in."""
@@ -140,6 +141,33 @@ def cache_cost(model: str | ModelConfig, context: int, batch: int = 1, dtype: in
     b = dtype_bytes(dtype)
     return CacheCost(name, context, batch, b, kv_bytes_per_token(cfg, b), kv_cache_bytes(cfg, context, batch, b),
                      n_parameters(cfg) * b)
+
+
+# ---- sliding windows: what a request holds when its sliding layers keep only their window -----------
+
+
+def kv_bytes_per_request(cfg: ModelConfig, context: int, dtype_bytes: int = 4, windowed: bool = True,
+                         block_size: int | None = None) -> int:
+    """KV bytes one request of `context` tokens holds. A full layer keeps every token; a sliding layer, `windowed`,
+    only its last `sliding_window` (Gemma 3 270M: 3/18 + 15/18 x 512/context of a full cache). With `block_size`,
+    what the paged pool holds with the request's context in: whole blocks, a sliding layer's from the block of
+    its next query's first key on (`kv.hybrid`)."""
+    if context < 0:
+        raise ValueError(f"context must be >= 0, got {context}")
+    tokens = 0
+    for layer in range(cfg.n_layers):
+        w = cfg.window(layer) if windowed else None
+        if block_size is None:
+            tokens += context if w is None else min(context, w)
+        else:
+            tokens += (-(-context // block_size) - num_skipped(w, context, block_size)) * block_size
+    return tokens * kv_bytes_per_token(cfg, dtype_bytes) // cfg.n_layers
+
+
+def requests_that_fit(cfg: ModelConfig, pool_bytes: int, context: int, dtype_bytes: int = 4, windowed: bool = True,
+                      block_size: int | None = None) -> int:
+    """How many requests of `context` tokens a pool of `pool_bytes` holds at once (`kv_bytes_per_request` each)."""
+    return pool_bytes // kv_bytes_per_request(cfg, context, dtype_bytes, windowed, block_size)
 
 
 # ---- Day 15: what a reservation wastes ------------------------------------------------------------

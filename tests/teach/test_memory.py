@@ -11,8 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve.cli import main
-from nanoserve.config import ModelConfig
+from nanoserve.config import CacheConfig, ModelConfig
 from nanoserve.kv import KVStorage
+from nanoserve.kv.groups import kv_cache_groups
+from nanoserve.kv.hybrid import HybridBlockManager
 from nanoserve.model import Llama
 from nanoserve.stages import KVCache
 from nanoserve.teach.memory import (
@@ -25,11 +27,13 @@ from nanoserve.teach.memory import (
     fits_contiguous,
     fits_paged,
     human_bytes,
+    kv_bytes_per_request,
     kv_bytes_per_token,
     kv_cache_bytes,
     n_parameters,
     paged_usage,
     read_lengths,
+    requests_that_fit,
     sample_lengths,
 )
 
@@ -217,3 +221,40 @@ def test_read_lengths_names_the_bad_row(tmp_path):
     bad.write_text("# comment\nrequest,prompt_tokens,output_tokens\n0,5,6\n1,x,7\n")
     with pytest.raises(ValueError, match="bad.csv: row"):
         read_lengths(bad)
+
+
+# ---- sliding windows ---------------------------------------------------------------------------------
+
+GEMMA3_270M = ModelConfig.tiny_gemma3(
+    vocab_size=262144, hidden_size=640, intermediate_size=2048, n_layers=18, n_heads=4, n_kv_heads=1, head_dim=256,
+    max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)])
+"""Gemma 3 270M's shape (its config.json): 18 layers, every 6th full, the others a window of 512."""
+
+
+@pytest.mark.parametrize("context", [1024, 4096, 16384])
+def test_a_windowed_request_holds_3_18_plus_15_18_of_the_window(context):
+    full = kv_bytes_per_request(GEMMA3_270M, context, windowed=False)
+    assert full == kv_cache_bytes(GEMMA3_270M, context) == 18 * 2 * 256 * 4 * context
+    windowed = kv_bytes_per_request(GEMMA3_270M, context)
+    assert windowed / full == pytest.approx(3 / 18 + 15 / 18 * 512 / context, rel=1e-12)
+    pool = 1 << 30
+    assert requests_that_fit(GEMMA3_270M, pool, context, windowed=False) == pool // full
+    assert requests_that_fit(GEMMA3_270M, pool, context) == pool // windowed
+    assert requests_that_fit(ModelConfig.tiny(), pool, context) == requests_that_fit(  # no window: no change
+        ModelConfig.tiny(), pool, context, windowed=False)
+
+
+@pytest.mark.parametrize("context", [1024, 4096, 16384])
+def test_the_block_rounded_bytes_are_what_the_hybrid_manager_holds(context):
+    """Gemma 3 270M's six groups on a pool of blocks of 16: a request prefilled in chunks of 256 holds, once its
+    context is in, exactly the blocks `kv_bytes_per_request(block_size=16)` counts."""
+    groups = kv_cache_groups(GEMMA3_270M)
+    m = HybridBlockManager(groups, num_blocks=8000, block_size=16, prefix_caching=False)
+    t = m.new_table()
+    for s in range(0, context, 256):
+        m.append_slots(t, list(range(s, s + 256)))
+        m.commit(t)
+    held = m.num_held(t) * CacheConfig(block_size=16).bytes_per_block(GEMMA3_270M, 4, len(groups))
+    assert held == kv_bytes_per_request(GEMMA3_270M, context, block_size=16)
+    assert held < kv_bytes_per_request(GEMMA3_270M, context, block_size=16, windowed=False)
