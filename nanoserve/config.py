@@ -278,7 +278,7 @@ class CacheConfig:
 
     block_size: int = 16  # token slots per block
     kv_cache_bytes: int = 1 << 30  # the pool's size (vLLM sizes it from free GPU memory; here a share of RAM)
-    num_blocks: int | None = None  # if set, the pool's size in blocks (kv_cache_bytes is then ignored)
+    num_blocks: int | None = None  # if set, the pool's size in blocks of one KV cache group (kv_cache_bytes ignored)
     prefix_caching: bool = True  # full blocks are found by their tokens and shared across requests
     disable_hybrid_kv_cache_manager: bool = False  # True: one block table for all layers, sliding ones included
 

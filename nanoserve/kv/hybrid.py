@@ -167,8 +167,10 @@ class HybridBlockManager:
         """Give the next len(token_ids) positions slots in every group; returns (each group's slots, the block
         copies (src, dst) the storage makes first). All or nothing: on OutOfBlocks nothing changed."""
         start, n = table.num_tokens, len(token_ids)
-        self.check_fits(start + n, n)
         need = self.blocks_to_append(table, n)
+        if self.num_held(table) + need > self.num_blocks:
+            raise RequestTooLarge(f"{start + n} tokens would hold {self.num_held(table) + need} blocks of "
+                                  f"{self.block_size} tokens; the pool has {self.num_blocks} blocks in all")
         if not self.pool.can_allocate(need):
             raise OutOfBlocks(need, self.pool.num_free, self.num_blocks)
         copies = []

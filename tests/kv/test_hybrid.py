@@ -178,3 +178,17 @@ def test_property_scheduler_workloads_on_the_hybrid_pool(data):
                 assert blocks[:skip] == [NULL_BLOCK] * skip and NULL_BLOCK not in blocks[skip:]
     assert not sched.has_unfinished()
     assert all(r == 0 for r in m.pool.refcount) and m.pool.num_free == m.num_blocks
+
+
+def test_append_refuses_what_the_table_would_hold_beyond_the_whole_pool():
+    """The refusal counts the blocks the table holds now, so once the windows have given blocks back (commit), a
+    chunk that did not fit goes in."""
+    m = manager(num_blocks=14)
+    t = m.new_table()
+    m.append_slots(t, list(range(12)))  # 3 blocks in each of the 3 groups
+    with pytest.raises(RequestTooLarge, match="17 tokens would hold 15 blocks of 4 tokens; the pool has 14"):
+        m.append_slots(t, [1, 2, 3, 4, 5])
+    assert t.num_tokens == 12 and m.num_held(t) == 9
+    m.commit(t)  # the next query (position 12) sees keys 5 .. 12: block 0 of each sliding group goes back
+    m.append_slots(t, [1, 2, 3, 4, 5])
+    assert m.num_held(t) == 5 + 2 * 4
