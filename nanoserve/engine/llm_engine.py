@@ -88,7 +88,8 @@ class StepRecord:
 class LLMEngine:
     """A model, a paged pool (the scheduler's block manager, the runner's storage), a scheduler, and the
     requests in flight. `config` (an EngineConfig), or vLLM's flat keywords for it (`max_num_seqs=8`,
-    `num_blocks=64`, `speculative_config={...}`; see `EngineConfig.from_kwargs`)."""
+    `num_blocks=64`, `speculative_config={...}`; see `EngineConfig.from_kwargs`). A model with sliding layers gets a
+    block table per KV cache group (`kv.hybrid`): its windows give their blocks back while a request runs."""
 
     def __init__(self, model: Llama, tokenizer: Tokenizer | None = None, config: EngineConfig | None = None, *,
                  clock: Callable[[], float] = time.perf_counter, **options: object):
