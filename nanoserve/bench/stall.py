@@ -3,7 +3,9 @@
 Two probes, each through the same loads (nothing, one long prompt's prefill, `--batch-sizes` requests decoding):
 in this process a thread that sleeps 5 ms at a time records how late each wake-up is while the engine steps; against
 a `serve` subprocess a client asks /health every 20 ms, each on a new connection as a liveness probe does. A step
-that held Python's GIL would hold both for its whole length; the idle rows are the same run's baseline.
+that held Python's GIL would hold both for its whole length; the idle rows are the same run's baseline. The server
+also takes four bodies of 1.3M token ids at once (2.6 MB each, refused once parsed): parsing them on the event
+loop would hold /health for each in turn.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from .harness import greedy, prose
 
 TIMER_S = 0.005
 PROBE_EVERY_S = 0.02
+HOSTILE_IDS, HOSTILE_BODIES = 1_300_000, 4
 
 
 def probed(work: Callable[[], object], probe: Callable[[], float], every_s: float) -> tuple[list[float], float]:
@@ -67,18 +70,21 @@ def health_latency(port: int, timeout_s: float = 30.0) -> float:
     return time.perf_counter() - t0
 
 
-def post_completion(port: int, prompt: list[int], max_tokens: int) -> None:
+def post_body(port: int, body: bytes | str, expect: int = 200) -> None:
+    """POST `body` to /v1/completions; anything but the `expect`ed status is an error."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(
-            {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}),
-            {"content-type": "application/json"})
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
         response = conn.getresponse()
-        body = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"serve answered {response.status}: {body[:300]!r}")
+        answer = response.read()
+        if response.status != expect:
+            raise RuntimeError(f"serve answered {response.status}: {answer[:300]!r}")
     finally:
         conn.close()
+
+
+def post_completion(port: int, prompt: list[int], max_tokens: int) -> None:
+    post_body(port, json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}))
 
 
 def row(probe: str, load: str, delays: Sequence[float], work_s: float) -> dict:
@@ -140,6 +146,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                 (f"prefill {args.prompt_tokens}", lambda: post_completion(port, long_prompt, 1))]
             served += [(f"decode B={b}", lambda b=b: list(pool.map(
                 lambda p: post_completion(port, p, args.steps), short[:b]))) for b in args.batch_sizes]
+            hostile = b'{"max_tokens": 1, "prompt": [' + b",".join([b"0"] * HOSTILE_IDS) + b"]}"
+            served.append((f"{HOSTILE_BODIES} bodies of {HOSTILE_IDS:,} ids", lambda: list(pool.map(
+                lambda _: post_body(port, hostile, 400), range(HOSTILE_BODIES)))))
             for name, work in served:
                 delays, work_s = probed(work, lambda: health_latency(port), PROBE_EVERY_S)
                 rows.append(row("GET /health", name, delays, work_s))

@@ -17,16 +17,22 @@ def check_prompt(prompt_ids: Sequence[int], max_context: int, vocab_size: int, m
         raise ValueError(f"prompt is text ({prompt_ids[:20]!r}), not token ids: encode it with the tokenizer first")
     if len(prompt_ids) == 0:
         raise ValueError("prompt is empty: at least one token is needed to produce logits")
-    if len(prompt_ids) + max_tokens > max_context:  # first: a prompt of a million ids is refused without a walk
-        room = ("leaving no room to generate" if max_tokens == 1 else
-                f"leaving room for {max(0, max_context - len(prompt_ids))} of the {max_tokens} tokens to generate")
-        raise ValueError(f"prompt has {len(prompt_ids)} tokens; the model's context is {max_context}, {room}")
+    check_prompt_length(len(prompt_ids), max_context, max_tokens)  # first: a million ids refused without a walk
     not_ids = [i for i in prompt_ids if not _is_token_id(i)]
     if not_ids:
         raise ValueError(f"prompt holds values that are not token ids (integers): {not_ids[:5]}")
     bad = [i for i in prompt_ids if not 0 <= i < vocab_size]
     if bad:
         raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+
+
+def check_prompt_length(n: int, max_context: int, max_tokens: int = 1) -> None:
+    """Refuse a prompt of `n` tokens that leaves no room for `max_tokens` in the context (known before its ids are
+    read: the server checks a body's prompt by its length alone, `server.weigh`)."""
+    if n + max_tokens > max_context:
+        room = ("leaving no room to generate" if max_tokens == 1 else
+                f"leaving room for {max(0, max_context - n)} of the {max_tokens} tokens to generate")
+        raise ValueError(f"prompt has {n} tokens; the model's context is {max_context}, {room}")
 
 
 def _is_token_id(x: object) -> bool:

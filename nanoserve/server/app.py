@@ -10,7 +10,8 @@
     POST /reset_prefix_cache    forget every cached prefix (vLLM's endpoint): {"reset": false} while requests run
 
 The two generating routes hand their bodies to `serving` (one class per endpoint); this file holds the app:
-its middleware, error handlers, lifespan and the small routes.
+its middleware, error handlers, lifespan and the small routes. A body of LARGE_BODY bytes or more is weighed in a
+child process first (`weigh`) and parsed on a worker thread, so a megabyte of token ids never holds the event loop.
 
 Every prompt of an HTTP request becomes one engine request (its n samples computed from one prefill), and
 the engine's one thread batches them with everything else in flight. Every answer other than a 200 is in
@@ -30,16 +31,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import typing
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
+from ..engine.checks import check_prompt_length
 from ..sampling import SamplingParams
 from ..tokenizer import Tokenizer
 from .async_engine import AsyncEngine, EngineDraining
@@ -53,6 +60,7 @@ from .protocol import (
     error_body,
 )
 from .serving import ServingChat, ServingCompletion
+from .weigh import Weigher
 
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in (
     (400, "bad input (the field is named in error.param), or a Host this server does not answer"),
@@ -60,8 +68,77 @@ ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why i
     (404, "an unknown model"), (408, "the body arrived too slowly"), (413, "the body is too large"),
     (415, "a body that is not application/json"), (503, "the server is full or shutting down (see Retry-After)"))}
 PREPARE_THREADS = 4  # requests tokenized and checked at once (the tokenizer lets go of the GIL)
+LARGE_BODY = 64 << 10  # bytes: a body this large is weighed in a child process (`weigh`) before it is parsed
+OTHER_VALUES = 1 << 17  # JSON values a body may hold outside `prompt` (a 262k-entry logit_bias is refused)
 STREAM = {200: {"content": {"application/json": {}, "text/event-stream": {}},
                 "description": "the completion, or with stream: true its server-sent events"}}
+
+
+def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
+    """`raw` as `model`, errors as FastAPI words them. Two C calls (json.loads, then pydantic), so a thread running
+    this lets the event loop in between them."""
+    if not raw:
+        raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
+        why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": why}}]) from None
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])}
+                                      for err in e.errors(include_url=False)]) from None
+
+
+def check_weight(weight: dict, max_context: int, max_prompts: int) -> None:
+    """Refuse, naming the field, a body heavier than any request can use: one prompt longer than the context, more
+    prompts than a request may ask for, or more than OTHER_VALUES values in another field."""
+    if "invalid" in weight:
+        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": weight["invalid"]}}])
+    shape = weight.get("prompt") or [None]
+    try:
+        if shape[0] == "ids":
+            check_prompt_length(shape[1], max_context)
+        elif shape[0] == "batch":
+            if shape[1] > max_prompts:
+                raise BadRequest(f"this request asks for {shape[1]} prompts; at most {max_prompts} per request",
+                                 "prompt")
+            check_prompt_length(shape[3], max_context)
+    except ValueError as e:
+        at = f"prompt {shape[2]}: " if shape[0] == "batch" else ""
+        raise BadRequest(f"{at}{e}", "prompt") from None
+    for field, values in weight["values"].items():
+        if field != "prompt" and values > OTHER_VALUES:
+            raise BadRequest(f"{field or 'the body'} holds {values} JSON values; at most {OTHER_VALUES} outside "
+                             f"the prompt", field or None)
+
+
+class BodyOffLoop(APIRoute):
+    """A POST route whose JSON body (its endpoint's `body` parameter), once large, is weighed in a child process
+    (`weigh`) and refused there if no request could use it, else parsed on `pool`, not on the event loop. The
+    schema FastAPI documents is unchanged."""
+
+    pool: ThreadPoolExecutor
+    screen: Callable[[bytes], Awaitable[None]]
+
+    def get_route_handler(self):
+        model, endpoint, pool, screen = typing.get_type_hints(self.endpoint)["body"], self.endpoint, self.pool, \
+            self.screen
+
+        async def handler(request: Request) -> Response:
+            raw = await request.body()
+            if len(raw) < LARGE_BODY:
+                body = parse_body(model, raw)
+            else:
+                await screen(raw)
+                body = await asyncio.get_running_loop().run_in_executor(pool, parse_body, model, raw)
+            result = await endpoint(body, request)
+            return result if isinstance(result, Response) else JSONResponse(result)
+
+        return handler
 
 
 def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, config: ServerConfig | None = None,
@@ -78,6 +155,15 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
                           config.max_prompts_per_request)
     # tokenize + check off the loop; several, so a request with long prompts does not hold up the others
     prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="nanoserve-prepare")
+    parse_pool = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-parse")  # large bodies, once weighed
+    weigher = Weigher()
+
+    async def screen(raw: bytes) -> None:
+        try:
+            weight = await weigher.weigh(raw)
+        except (OSError, ValueError) as e:
+            raise BadRequest(f"the body could not be weighed before parsing: {e}") from None
+        check_weight(weight, max_context, config.max_prompts_per_request)
     created = int(time.time())
 
     async def drain(grace: float | None = None) -> None:
@@ -96,11 +182,14 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         app.state.loop = asyncio.get_running_loop()
+        await weigher.start()
         async_engine.start()
         yield
         await drain()
         async_engine.stop()
         prepare_pool.shutdown(wait=False, cancel_futures=True)
+        parse_pool.shutdown(wait=False, cancel_futures=True)
+        await weigher.aclose()
 
     app = FastAPI(title="nanoserve", lifespan=lifespan, docs_url="/docs" if config.docs else None,
                   redoc_url="/redoc" if config.docs else None)  # their pages load scripts from a CDN: --docs
@@ -191,12 +280,16 @@ def build_app(async_engine: AsyncEngine, tokenizer: Tokenizer, model_name: str, 
     shared = (async_engine, tokenizer, model_name, config, defaults, admission, prepare_pool)
     completion, chat = ServingCompletion(*shared), ServingChat(*shared)
 
-    @app.post("/v1/completions", responses={**STREAM, **ERRORS})
+    route = type("Route", (BodyOffLoop,), {"pool": parse_pool, "screen": staticmethod(screen)})
+
     async def completions(body: CompletionRequest, request: Request) -> Any:
         return await completion.create(body, request)
 
-    @app.post("/v1/chat/completions", responses={**STREAM, **ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await chat.create(body, request)
+
+    for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat_completions)):
+        app.router.add_api_route(path, endpoint, methods=["POST"], responses={**STREAM, **ERRORS},
+                                 route_class_override=route)
 
     return app

@@ -18,8 +18,9 @@ compute, as torch's own ops do. uvicorn's event loop (another thread) answers /h
 and streams tokens meanwhile: on a machine with no core to spare it takes its turn on the forward's cores, and it
 waits for the GIL only while the engine thread runs Python between forwards (scheduling, sampling, bookkeeping).
 Prompts are tokenized and requests checked in a few prepare threads (`serving`), the tokenizer also without the
-GIL. `python -m nanoserve bench stall` measures how late a 5 ms timer and /health are through a long prefill
-and a full batch's steps.
+GIL; a large body is weighed in a child process and parsed on a thread of its own (`app`, `weigh`).
+`python -m nanoserve bench stall` measures how late a 5 ms timer and /health are through a long prefill and a full
+batch's steps.
 
 `python -m nanoserve serve` steps the engine in the process's main thread (`run`) and answers HTTP from
 another. torch's OpenMP workers belong to the thread that first ran parallel work, and the main thread
