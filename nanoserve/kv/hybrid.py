@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .blocks import BlockPool, OutOfBlocks, RequestTooLarge
+from .blocks import BlockManager, OutOfBlocks, RequestTooLarge
 from .groups import KVCacheGroup
 from .prefix import hash_block
 
@@ -71,26 +71,15 @@ class HybridTable:
         return [[blocks[p // bs] * bs + p % bs for p in range(start, end)] for blocks in self.groups]
 
 
-class HybridBlockManager:
-    """`BlockManager`'s operations on a pool shared by KV cache groups, a table per group per sequence."""
+class HybridBlockManager(BlockManager):
+    """`BlockManager`'s operations on a pool shared by KV cache groups, a table per group per sequence
+    (`blocks_needed` counts one group's table entries)."""
 
     def __init__(self, groups: Sequence[KVCacheGroup], num_blocks: int, block_size: int = 16,
                  prefix_caching: bool = True):
+        super().__init__(num_blocks, block_size, prefix_caching)
         self.groups = list(groups)
         self.windows = [g.window for g in self.groups]
-        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
-
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Table entries one group has for num_tokens tokens."""
-        return math.ceil(num_tokens / self.block_size)
 
     def num_skipped(self, window: int | None, num_computed: int) -> int:
         """`num_skipped` on this pool's block size."""
@@ -110,9 +99,6 @@ class HybridBlockManager:
             raise RequestTooLarge(
                 f"a sequence of {num_tokens} tokens holds up to {need} blocks of {self.block_size} tokens over its "
                 f"{len(self.groups)} KV cache groups; the pool has {self.num_blocks} blocks in all")
-
-    def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
 
     def new_table(self) -> HybridTable:
         return HybridTable(self.block_size, [[] for _ in self.groups], skipped=[0] * len(self.groups))
