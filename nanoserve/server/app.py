@@ -74,17 +74,20 @@ STREAM = {200: {"content": {"application/json": {}, "text/event-stream": {}},
                 "description": "the completion, or with stream: true its server-sent events"}}
 
 
+def invalid_json(why: str) -> RequestValidationError:
+    """A body that is not JSON, as FastAPI words it (`on_invalid` turns it into a 400)."""
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                    "input": {}, "ctx": {"error": why}}])
+
+
 def parse_body(model: type[BaseModel], raw: bytes) -> BaseModel:
-    """`raw` as `model`, errors as FastAPI words them. Two C calls (json.loads, then pydantic), so a thread running
-    this lets the event loop in between them."""
+    """`raw` as `model`, errors as FastAPI words them."""
     if not raw:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     try:
         obj = json.loads(raw)
     except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser's depth
-        why = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": why}}]) from None
+        raise invalid_json(e.msg if isinstance(e, json.JSONDecodeError) else str(e)) from None
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -96,8 +99,7 @@ def check_weight(weight: dict, max_context: int, max_prompts: int) -> None:
     """Refuse, naming the field, a body heavier than any request can use: one prompt longer than the context, more
     prompts than a request may ask for, or more than OTHER_VALUES values in another field."""
     if "invalid" in weight:
-        raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
-                                       "input": {}, "ctx": {"error": weight["invalid"]}}])
+        raise invalid_json(weight["invalid"])
     shape = weight.get("prompt") or [None]
     try:
         if shape[0] == "ids":
