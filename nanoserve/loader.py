@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, nanoserve_home
 from .model import Llama, load_model
-from .model.fetch import download_gguf, model_folder
+from .model.fetch import gguf_of, model_folder
 from .tokenizer import Tokenizer
 
 WEIGHTS = ("fp32", "gguf")
@@ -67,9 +66,10 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
     family's class (`model.registry`). `pack`: see `load_model`; on GGUF blocks, whether int8
     activations read packed copies of them (`load_gguf`).
 
-    `weights="gguf"` keeps the weights as the GGUF file ships them (its Q4_1/Q8_0 blocks, multiplied
-    where they lie: `model.gguf_weights`), the file being `gguf` or the fetched one; the numbers are
-    the fp32 folder's, the bytes a fifth. `weights="fp32"` reads the folder's safetensors.
+    `weights="gguf"` keeps the weights as the GGUF file ships them (its blocks, multiplied where they lie:
+    `model.gguf_weights`), the file being `gguf` or the one the folder was converted from; the numbers are
+    the fp32 folder's, the bytes a fifth (SmolLM2) or a fraction (Gemma 3). `weights="fp32"` reads the
+    folder's safetensors.
 
     `dtype="bfloat16"` (opt-in) holds the folder's matrices and the K/V cache in bf16, products on bf16
     inputs with fp32 sums, the rest fp32 (`Llama.cast_matrices`): faster, no longer the fp32 numbers.
@@ -88,15 +88,12 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {KV_CACHE_DTYPES}")
     dtype = as_dtype(dtype)
     folder = model_folder(model_dir)
-    if weights == "gguf" and (arch := ModelConfig.from_folder(folder).architecture) != "LlamaForCausalLM":
-        raise ValueError(f"weights='gguf' multiplies Llama's Q4_1/Q8_0 blocks; {arch} loads its fp32 folder so far")
     if weights == "gguf":
         from .model.gguf_weights import load_gguf
 
         if dtype != torch.float32:
             raise ValueError(f"weights='gguf' multiplies its blocks in float32; dtype={dtype} is not possible")
-        path = Path(gguf) if gguf else download_gguf(nanoserve_home() / "downloads")
-        model = load_gguf(path, activations=activations, pack=pack)
+        model = load_gguf(Path(gguf) if gguf else gguf_of(folder), activations=activations, pack=pack)
     elif activations != "fp32":
         raise ValueError(f"activations={activations!r} multiplies GGUF blocks: it needs weights='gguf'")
     else:

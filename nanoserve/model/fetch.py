@@ -356,6 +356,18 @@ def ensure_model(model_dir: str | Path | None = None, gguf: str | Path | None = 
     return convert_gguf(gguf_path, model_dir)
 
 
+def gguf_of(model_dir: str | Path) -> Path:
+    """The GGUF file a converted folder came from (its manifest names it by sha256), fetched if it is not at hand:
+    what `load(weights="gguf")` multiplies."""
+    manifest = Path(model_dir) / "nanoserve-manifest.json"
+    digest = json.loads(manifest.read_text()).get("source_sha256") if manifest.is_file() else None
+    name = next((n for n, s in MODELS.items() if s.gguf_sha256 == digest), None)
+    if name is None:
+        raise FetchError(f"{model_dir}: not a folder converted from a GGUF nanoserve fetches ({', '.join(MODELS)}); "
+                         "name the GGUF file (gguf=..., --gguf)")
+    return download_gguf(nanoserve_home() / "downloads", name)
+
+
 def model_folder(model: str | Path | None = None) -> Path:
     """Where `model` is: a checkpoint folder as given, a name of `MODELS` ("gemma3-270m") as its converted folder
     (fetched and converted on first use), None as the series' SmolLM2."""

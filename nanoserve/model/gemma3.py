@@ -27,8 +27,9 @@ from torch import Tensor, nn
 
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
+from .base import DecoderLM
 from .gguf_file import gguf_field, hf_tensors
-from .matmul import PACK_ROWS, embedding, linear, linear_weight, pack, tiled
+from .matmul import embedding, linear, linear_weight
 from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
 
 
@@ -39,13 +40,16 @@ def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def attend(kv: KVBackend, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, seen: int) -> Tensor:
     """The backend's attention for one layer; `seen`: positions the step's last query sees (its position + 1).
-    A window that step does not reach changes nothing; one it reaches is the backend's to honour, or to refuse."""
+    A backend that honours windows gets the window on every step: a request's keys are then read one way whatever
+    the other requests of its step reach, so it gets the same bits in any batch. To one that does not, a window
+    the step does not reach changes nothing; one it reaches is refused."""
+    if window is not None and getattr(kv, "supports_sliding_window", False):
+        return kv(layer, q, k, v, window=window)
     if window is None or seen <= window:
         return kv(layer, q, k, v)
-    if not getattr(kv, "supports_sliding_window", False):
-        raise NotImplementedError(
-            f"{type(kv).__name__} cannot honour a sliding window of {window} positions, and this step reaches "
-            f"position {seen - 1}: run Gemma 3 without a cache or on stages.contiguous.KVCache")
+    raise NotImplementedError(
+        f"{type(kv).__name__} cannot honour a sliding window of {window} positions, and this step reaches "
+        f"position {seen - 1}: run Gemma 3 without a cache or on stages.contiguous.KVCache")
     return kv(layer, q, k, v, window=window)
 
 
@@ -95,7 +99,7 @@ class Gemma3Block(nn.Module):
         return linear(F.gelu(gate, approximate="tanh") * up, self.w_down, compiled)
 
 
-class Gemma3(nn.Module):
+class Gemma3(DecoderLM):
     """Token ids and their positions in, next-token logits out: Llama's interface (`forward`, `hidden_states`,
     `logits`), so the no-cache road and the contiguous cache run it unchanged. Torch ops, fp32."""
 
@@ -154,20 +158,6 @@ class Gemma3(nn.Module):
             h = h[:, -1]
         return self.logits(h, compiled)
 
-    def matrices(self) -> list[Tensor]:
-        """Every matrix a product multiplies by: each layer's four, then the tied head."""
-        return [w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [self.lm_head]
-
-    def pack_weights(self, rows: int = PACK_ROWS) -> int:
-        """Llama's `pack_weights`: every matrix a copy laid out for its product (tiles on x86 CPUs), for the
-        weights' memory once more. Returns the bytes added."""
-        return sum(w.numel() * w.element_size() for w in self.matrices() if pack(w, rows))
-
-    def one_row_same_bits(self, compiled: bool | None) -> bool:
-        """Whether a step of one row gets the bits a step of many would: every product on the tiles (as Llama's);
-        elsewhere a batch-invariant runner pads it (`ModelRunner`)."""
-        return bool(compiled) and all(tiled(w) is not None for w in self.matrices())
-
     @classmethod
     def random(cls, cfg: ModelConfig, seed: int = 0) -> Gemma3:
         """Random weights with sensible scale (norm weights near 0, so their scale near 1): for unit tests."""
@@ -216,6 +206,27 @@ class Gemma3(nn.Module):
         return self.eval()
 
 
+    def place_gguf(self, t) -> None:
+        """The GGUF file's tensors (`gguf_weights.Tensors`) in place: its blocks as they lie, q/k/v and gate/up
+        stacked by rows (`RowGroups` where v's format is not q's), llama.cpp's 1 + w norms back to w."""
+        from .gguf_weights import set_weight
+
+        cfg = self.cfg
+        C, D, I, H, K = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.n_heads, cfg.n_kv_heads  # noqa: E741
+        set_weight(self, "embed", t.matrix(["token_embd.weight"], (cfg.vocab_size, C), "token_embd"))
+        self.norm.copy_(t.vector("output_norm.weight") - 1)
+        for i, blk in enumerate(self.layers):
+            p = f"blk.{i}."
+            for attr, name in _GGUF_NORMS.items():
+                getattr(blk, attr).copy_(t.vector(p + name + ".weight") - 1)
+            set_weight(blk, "wqkv", t.matrix([p + f"attn_{n}.weight" for n in "qkv"], ((H + 2 * K) * D, C),
+                                             p + "attn_qkv"))
+            set_weight(blk, "wo", t.matrix([p + "attn_output.weight"], (C, H * D), p + "attn_output"))
+            set_weight(blk, "w_gate_up", t.matrix([p + "ffn_gate.weight", p + "ffn_up.weight"], (2 * I, C),
+                                                  p + "ffn_gate_up"))
+            set_weight(blk, "w_down", t.matrix([p + "ffn_down.weight"], (C, I), p + "ffn_down"))
+
+
 _NORMS = {"attn_norm": "input_layernorm.weight", "post_attn_norm": "post_attention_layernorm.weight",
           "mlp_norm": "pre_feedforward_layernorm.weight", "post_mlp_norm": "post_feedforward_layernorm.weight"}
 
@@ -230,6 +241,8 @@ _GGUF_TO_HF = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+_GGUF_NORMS = {"attn_norm": "attn_norm", "post_attn_norm": "post_attention_norm", "mlp_norm": "ffn_norm",
+               "post_mlp_norm": "post_ffw_norm", "q_norm": "attn_q_norm", "k_norm": "attn_k_norm"}  # ours -> GGUF's
 SLIDING_WINDOW_PATTERN = 6  # llama.cpp's and transformers' Gemma 3: five sliding layers, then one full
 ROPE_LOCAL_THETA = 10_000.0  # the sliding layers' RoPE base: not in the GGUF, the same in every Gemma 3
 

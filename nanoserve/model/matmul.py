@@ -26,10 +26,10 @@ expects, transposed in memory. `linear(x, w)` then takes one of these roads:
   whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
-A weight may also be a `BlockWeight`: GGUF's Q4_1 or Q8_0 blocks as the checkpoint ships them
-(Day 25), multiplied where they lie by `kernels.quant.block_linear` for any number of rows, or, opted
-into (`activations="int8"`), by `kernels.int8.block_linear_int8` on x quantized to int8 blocks, as
-llama.cpp multiplies them.
+A weight may also be a `BlockWeight`: GGUF's blocks as the checkpoint ships them (Q4_1, Q8_0: Day 25;
+Gemma 3's Q5_0 and K-quants), multiplied where they lie by `kernels.quant.block_linear` for any number of
+rows, or, opted into (`activations="int8"`), by `kernels.int8.block_linear_int8` on x quantized to int8
+blocks, as llama.cpp multiplies them; or `RowGroups`, such weights of different formats stacked.
 
 `python -m nanoserve bench layout` times the candidates on the machine at hand.
 """
@@ -225,21 +225,22 @@ def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
 
 
 class BlockWeight(nn.Module):
-    """A weight (out, in) held as GGUF blocks, 32 weights of a row to a block (`kernels.quant`): what
+    """A weight (out, in) held as GGUF blocks, 32 weights of a row to a block (256 for a K-quant,
+    `kernels.quant`): what
     `linear` multiplies where it lies and `embedding` expands row by row. Its numbers are the fp32
     conversion's; its bytes a fraction of them. `activations`: what it multiplies, "fp32" (x as it is: the
     fp32 conversion's products) or "int8" (x rounded to int8 blocks first, `kernels.int8`: faster, not exact)."""
 
     def __init__(self, blocks: Tensor, fmt: str, in_features: int, activations: str = "fp32"):
         super().__init__()
-        nbytes = quant.block_bytes(fmt)
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % quant.BLOCK \
-                or blocks.shape[1] != in_features // quant.BLOCK * nbytes:
+        per = quant.block_weights(fmt)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or in_features % per \
+                or blocks.shape[1] != in_features // per * quant.block_bytes(fmt):
             raise ValueError(f"blocks {blocks.dtype} {tuple(blocks.shape)} do not hold {fmt} rows of {in_features}")
         if activations not in ACTIVATIONS:
             raise ValueError(f"activations={activations!r}: expected one of {ACTIVATIONS}")
         self.fmt, self.activations = fmt, activations
-        self.register_buffer("blocks", blocks.contiguous())  # (out, in / 32 * bytes) uint8
+        self.register_buffer("blocks", blocks.contiguous())  # (out, in / per block * bytes) uint8
         self.shape = torch.Size((blocks.shape[0], in_features))
         self._int8_packed: tuple[int, Tensor] | None = None
         self.keep_packed = True  # whether int8_packed may keep a copy (`load(..., pack=False)`: not)
@@ -289,6 +290,37 @@ class BlockWeight(nn.Module):
         return f"{self.fmt}, out={self.shape[0]}, in={self.shape[1]}, activations={self.activations}"
 
 
+class RowGroups(nn.Module):
+    """A fused weight whose row groups the file ships in different formats (Gemma 3's q, k in Q5_0 and v in Q8_0,
+    in half its layers): each group a `BlockWeight`, multiplied where it lies, the outputs side by side. Fusing
+    them into one format would mean re-quantizing the checkpoint; this keeps its numbers."""
+
+    def __init__(self, parts: list[BlockWeight]):
+        super().__init__()
+        if len({p.shape[1] for p in parts}) != 1:
+            raise ValueError(f"row groups of {[p.shape[1] for p in parts]} inputs cannot be stacked")
+        self.parts = nn.ModuleList(parts)
+        self.shape = torch.Size((sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    dtype = BlockWeight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts)
+
+    def dequantize(self) -> Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"out={self.shape[0]}, in={self.shape[1]}"
+
+
 def embedding(ids: Tensor, w: Tensor | BlockWeight, dtype: torch.dtype | None = None) -> Tensor:
     """Rows `ids` of a table w (V, C), like F.embedding, in `dtype` (default w's); a BlockWeight expands only
     the rows asked for."""
@@ -297,11 +329,13 @@ def embedding(ids: Tensor, w: Tensor | BlockWeight, dtype: torch.dtype | None = 
     return F.embedding(ids, w).to(dtype or w.dtype)
 
 
-def linear(x: Tensor, w: Tensor | BlockWeight, compiled: bool | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor | BlockWeight | RowGroups, compiled: bool | None = None) -> Tensor:
     """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc).
     `compiled`: the kernels' roads (None: where built): for an fp32 w, its tiles where it has them, else torch's
     roads; for a BlockWeight, the block kernel, else a dequantized copy (fp32 activations) or the int8 product's
-    torch reference (int8 activations: the same bits)."""
+    torch reference (int8 activations: the same bits); for RowGroups, each group's, side by side."""
+    if isinstance(w, RowGroups):
+        return torch.cat([linear(x, p, compiled) for p in w.parts], -1)
     if isinstance(w, BlockWeight):
         if w.activations == "int8":
             return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled, packed=w.int8_packed())

