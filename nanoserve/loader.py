@@ -99,5 +99,8 @@ def load(model_dir: str | Path | None = None, dtype: str | torch.dtype | None = 
     else:
         model = load_model(folder, dtype, pack=pack)
     if kv_cache_dtype != "auto":
+        if not hasattr(model, "round_kv"):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: {model.cfg.architecture} holds its K/V cache in "
+                             "float32 so far")
         model.round_kv(DTYPES[kv_cache_dtype])
     return model, Tokenizer.from_folder(folder)

@@ -23,7 +23,7 @@ from .. import loader
 from ..config import EngineConfig, nanoserve_home
 from ..engine import LLMEngine
 from ..model import Llama
-from ..model.fetch import download_gguf, ensure_model
+from ..model.fetch import ensure_model, gguf_of, model_folder
 from . import csvio
 from .clients import free_port, llama_server_argv, llama_server_path, llama_server_version, start_server
 from .command import common_arguments, csv_header, engine_argv, engine_config, report, start
@@ -148,25 +148,28 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
 
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
-            server_options: Sequence[str] = (), threads: int | None = None) -> Iterator[Callable[..., Replay]]:
-    """One system stood up and warm, as `replay(workload, arrivals, rate)`."""
+            server_options: Sequence[str] = (), threads: int | None = None, folder: Path | None = None,
+            ) -> Iterator[Callable[..., Replay]]:
+    """One system stood up and warm, as `replay(workload, arrivals, rate)`; `folder`: the checkpoint the peers
+    load (its GGUF for llama-server; default: the fetched SmolLM2)."""
+    folder = folder or ensure_model()
     warm = Workload("warm", w.prompts[:2], [2, 2])
     if system == "nanoserve-engine":
         engine = LLMEngine(model, tok, config)
         replay_engine(engine, warm, [0.0, 0.0])
         yield lambda w, arrivals, rate: replay_engine(engine, w, arrivals, rate)
     elif system == "transformers-cb":
-        with start_hf_manager(load_hf_model(attn="sdpa"), w) as manager:
+        with start_hf_manager(load_hf_model(folder, attn="sdpa"), w) as manager:
             yield lambda w, arrivals, rate: replay_hf_continuous(manager, w, arrivals, rate)
     else:
         port, command = free_port(), None
         if system == "llama-server":  # a slot per sequence the engine runs at once, each fitting the longest request
             slot = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
-            command = llama_server_argv(llama_server_path(), download_gguf(nanoserve_home() / "downloads"), port,
+            command = llama_server_argv(llama_server_path(), gguf_of(folder), port,
                                         config.scheduler.max_num_seqs, slot, threads or os.cpu_count() or 1)
         elif system == "transformers-serve":  # its continuous batching, the model preloaded
             command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
-                       "--host", "127.0.0.1", "--port", str(port), str(ensure_model())]
+                       "--host", "127.0.0.1", "--port", str(port), str(folder)]
         # warmed on prompts that share no prefix with the workload's (their ids reversed), so no cache is primed
         warm = Workload("warm", [p[::-1] for p in warm.prompts], warm.max_tokens)
 
@@ -265,7 +268,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
         print(f"{system} ...", flush=True)
-        with serving(system, model, tok, config, w, server_options, args.threads) as replay:
+        with serving(system, model, tok, config, w, server_options, args.threads, model_folder(args.model)) as replay:
             for rate, trace in traces.items():
                 replays.append(replay(w, trace, rate))
                 m = serving_metrics(replays[-1].timings, slo)

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import nanoserve_home
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
-from ..model.fetch import download_gguf
+from ..model.fetch import gguf_of, model_folder
 from ..stages import CachedSession, NoCacheSession
 from . import csvio
 from .command import common_arguments, csv_header, report, start
@@ -185,6 +184,8 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[DecodeRow]]:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", help="a checkpoint folder or a model's name: smollm2-135m, gemma3-270m (default: "
+                    "smollm2-135m); its blocks are the GGUF it was converted from")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     ap.add_argument("--no-stages", action="store_true", help="skip the course's no-cache and contiguous loops")
@@ -198,7 +199,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     fp32, tok = start(args)
-    models = {"fp32": fp32} | {weights_key(a, kv): load(weights="gguf", activations=a, kv_cache_dtype=kv)[0]
+    folder = model_folder(args.model)
+    models = {"fp32": fp32} | {weights_key(a, kv): load(folder, weights="gguf", activations=a, kv_cache_dtype=kv)[0]
                                for a in args.activations for kv in args.kv_cache_dtype}  # weights key -> the model
     threads, n = torch.get_num_threads(), args.steps
     weight_bytes = {(e, key): m.weight_bytes() for key, m in models.items()
@@ -221,12 +223,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             jobs[("nanoserve-nocache", "fp32", 1, ctx)] = lambda p=p: time_road(fp32, p, args.nocache_tokens,
                                                                                 "nanoserve-nocache")
     if not args.no_transformers:
-        hf = load_hf_model()
+        hf = load_hf_model(folder)
         weight_bytes[("transformers", "fp32")] = sum(p.numel() * p.element_size() for p in hf.parameters())
         for ctx in args.contexts:
             jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_transformers(hf, p, n)
     runner, llama_note = (None, "not asked for (--no-llama-cpp)") if args.no_llama_cpp else llama_cpp_runner(
-        download_gguf(nanoserve_home() / "downloads"), threads, prompt_of(tok, 8))
+        gguf_of(folder), threads, prompt_of(tok, 8))
     for ctx in args.contexts if runner else []:
         jobs[("llama.cpp", "gguf", 1, ctx)] = lambda p=prompts[ctx]: runner(p, n)
     print(f"llama.cpp: {llama_note}", flush=True)
@@ -234,7 +236,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         bandwidth, _ = measure_bandwidth(2**28)
         for m in models.values():  # warm up: builds, first allocations
             time_nanoserve(m, prompt_of(tok, 16), 2, 2)
-    meta = csv_header(argv, steps=n, rounds=args.rounds, read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}",
-                      block_product=quant.describe(), int8_road=int8.int8_road(), llama_cpp=llama_note)
+    meta = csv_header(argv, model=folder.name, steps=n, rounds=args.rounds,
+                      read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}", block_product=quant.describe(),
+                      int8_road=int8.int8_road(), llama_cpp=llama_note)
     write_csv(args.out, make_rows(rounds(jobs, args.rounds, log=print), weight_bytes, bandwidth), meta)
     return report(args.out, meta, [asdict(r) for r in read_csv(args.out)[1]])

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..config import EngineConfig, SchedulerConfig
 from ..engine import LLMEngine
 from ..model import Llama
+from ..model.fetch import model_folder
 from ..stages import greedy_generate_batch
 from . import csvio
 from .arrivals import replay_hf_continuous, start_hf_manager
@@ -123,7 +124,7 @@ def read_csv(path: str | Path) -> tuple[dict[str, str], list[dict]]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     ap.add_argument("--uniform", action="store_true", help="also the uniform workload (the engine, one static batch)")
-    common_arguments(ap, CSV_PATH, engine=True, requests=32, seed=0)
+    common_arguments(ap, CSV_PATH, engine=True, weights="fp32", requests=32, seed=0)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     if args.uniform:
         workloads["uniform"] = uniform_workload(tok, args.requests, seed=args.seed)
     if any(s.startswith("transformers") for s in args.systems):
-        hf_model = load_hf_model(attn="sdpa")
+        hf_model = load_hf_model(model_folder(args.model), attn="sdpa")
     greedy_generate_batch(model, workloads["ragged"].prompts[:2], 2)  # warm: kernels built, weights touched
     systems: dict[str, Callable[[Workload], SystemRun]] = {
         "nanoserve-static-32": lambda w: run_static(model, w, 32),

@@ -53,9 +53,9 @@ def test_a_peer_server_is_fresh_for_each_replay_so_no_rate_hits_anothers_prompt_
     monkeypatch.setattr(arrivals, "start_server", fake_start)
     monkeypatch.setattr(arrivals, "replay_server", lambda port, w, a, rate=0.0, system="", tok=None: sent.append(w))
     monkeypatch.setattr(arrivals, "llama_server_path", lambda: tmp_path / "llama-server")
-    monkeypatch.setattr(arrivals, "download_gguf", lambda folder: tmp_path / "m.gguf")
+    monkeypatch.setattr(arrivals, "gguf_of", lambda folder: folder / "m.gguf")
     w = Workload("w", [[1, 2, 3, 4], [5, 6, 7]], [2, 2])
-    with arrivals.serving(system, None, None, arrivals.EngineConfig(), w) as replay:
+    with arrivals.serving(system, None, None, arrivals.EngineConfig(), w, folder=tmp_path) as replay:
         for rate in (1.0, 2.0, 4.0):
             replay(w, [0.0, 0.1], rate)
     assert len(started) == starts and set(started) == {"stopped"}

@@ -48,7 +48,8 @@ def test_the_csv_round_trips_with_its_header(tmp_path):
 def test_the_command_is_registered_with_its_defaults():
     args = build_parser().parse_args(["bench", "decode", "--threads", "1"])
     assert args.what == "decode" and args.contexts == [128, 1024] and args.batch_sizes == [8, 32]
-    assert args.out == decode.CSV_PATH and args.threads == 1
+    assert args.out == decode.CSV_PATH and args.threads == 1 and args.model is None
+    assert build_parser().parse_args(["bench", "decode", "--model", "gemma3-270m"]).model == "gemma3-270m"
 
 
 def test_rows_on_int8_activations_keep_the_weights_and_name_the_activations():
