@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from .config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from .engine import LLMEngine
 from .engine.outputs import CompletionOutput, StepOutput
+from .kv.groups import kv_cache_groups
 from .model import Llama
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
@@ -26,12 +27,14 @@ __all__ = ["generate", "greedy_ids", "one_request_engine", "stream_generate"]
 
 def one_request_engine(model: Llama, tokenizer: Tokenizer | None, prompt_len: int, params: SamplingParams,
                        speculative_config: SpeculativeConfig | dict | None = None) -> LLMEngine:
-    """An engine sized for one request of `prompt_len` tokens: blocks for its n samples' whole contexts, a
-    budget that computes its prompt in one step (with room for speculative drafts)."""
+    """An engine sized for one request of `prompt_len` tokens: blocks for its n samples' whole contexts in every
+    KV cache group (`kv_cache_groups`: one for Llama, six for Gemma 3), a budget that computes its prompt in one
+    step (with room for speculative drafts)."""
     spec = SpeculativeConfig.of(speculative_config)
     block_size = CacheConfig().block_size
     context = min(prompt_len + params.max_tokens, model.cfg.max_position_embeddings)
-    blocks = params.n * -(-context // block_size) + params.n  # each sample's context, and a copied tail block
+    per_group = params.n * -(-context // block_size) + params.n  # each sample's context, and a copied tail block
+    blocks = len(kv_cache_groups(model.cfg)) * per_group
     budget = max(SchedulerConfig().max_num_batched_tokens,
                  prompt_len + params.n * (1 + (spec.num_speculative_tokens if spec else 0)))
     config = EngineConfig(CacheConfig(block_size, num_blocks=blocks),

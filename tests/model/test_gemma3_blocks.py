@@ -152,3 +152,16 @@ def test_int8_keeps_each_requests_tokens_whatever_its_batch(gemma_dir):
     alone = LLM("gemma3-270m", weights="gguf", activations="int8", max_num_batched_tokens=2048)
     assert together == [alone.generate([GEMMA_PROMPTS[n][0]], sp, use_tqdm=False)[0].outputs[0].token_ids
                         for n in names]
+
+
+def test_generate_sizes_its_engine_for_every_kv_cache_group(gemma_blocks, gemma_tok):
+    """`generate` (one request, an engine sized for it) on a 1,699-token prompt: room for its blocks in all six KV
+    cache groups, and the greedy tokens the engine gives the same request beside others."""
+    from nanoserve import generate
+
+    ids = gemma_tok.encode(GEMMA_PROMPTS["long_list"][0])
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = generate(gemma_blocks, ids, sp).token_ids
+    llm = LLM("gemma3-270m", weights="gguf")
+    together = llm.generate([{"prompt_token_ids": ids}, GEMMA_PROMPTS["plain"][0]], sp, use_tqdm=False)
+    assert alone == together[0].outputs[0].token_ids and len(alone) == 6

@@ -268,7 +268,7 @@ void group_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t 
 }
 
 #ifdef NANOSERVE_INT8_X86
-#define GROUP_AVX2 __attribute__((target("avx2,fma")))
+#define GROUP_AVX2 __attribute__((target("avx2,fma,f16c")))
 // The group's integer weights as 32 signed bytes, unpacked in a register (quant.cpp's avx2 unpackers, stopped
 // before the conversion to floats).
 template <GFmt F>
@@ -294,6 +294,36 @@ GROUP_AVX2 inline __m256i group_ints_avx2(const uint8_t* blk, int s) {
     ql = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (k >> 1))), _mm256_set1_epi8(15));
     qh = _mm256_slli_epi16(_mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3)), 4);
     return _mm256_sub_epi8(_mm256_or_si256(ql, qh), _mm256_set1_epi8(32));
+  }
+}
+
+// The scales of groups g..g + 7 of a weight row (g a multiple of 8: for Q4_K and Q6_K one super-block's eight), as
+// group_scales gives them, decoded once a super-block with F16C's conversion (the same floats as `half`'s).
+GROUP_AVX2 inline float half_f16c(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return _cvtsh_ss(v);
+}
+
+template <GFmt F>
+GROUP_AVX2 inline void group_scales8(const uint8_t* row, int64_t g, float sa[8], float sb[8]) {
+  const auto h = half_f16c;
+  if constexpr (F == GFmt::Q5_0) {
+    for (int t = 0; t < 8; ++t) sa[t] = h(row + (g + t) * GroupFormat<F>::BYTES), sb[t] = 0.0f;
+  } else if constexpr (F == GFmt::Q4_K) {
+    const uint8_t* blk = row + g / 8 * GroupFormat<F>::BYTES;
+    const uint8_t* q = blk + 4;
+    const float d = h(blk), dmin = h(blk + 2);
+    for (int s = 0; s < 8; ++s) {
+      const int sc = s < 4 ? q[s] & 63 : (q[s + 4] & 15) | ((q[s - 4] >> 6) << 4);
+      const int m = s < 4 ? q[s + 4] & 63 : (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
+      sa[s] = d * static_cast<float>(sc), sb[s] = -(dmin * static_cast<float>(m));
+    }
+  } else {
+    const uint8_t* blk = row + g / 8 * GroupFormat<F>::BYTES;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = h(blk + 208);
+    for (int s = 0; s < 8; ++s) sa[s] = d * static_cast<float>(sc[2 * s]), sb[s] = d * static_cast<float>(sc[2 * s + 1]);
   }
 }
 
@@ -332,11 +362,10 @@ GROUP_AVX2 void group_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t o0,
       for (; g + 8 <= a.nb; g += 8) {
         for (int t = 0; t < 8; ++t) {
           const uint8_t* blk = w + o * row_bytes + (g + t) / G::GROUPS * G::BYTES;
-          const int s = static_cast<int>((g + t) % G::GROUPS);
-          _mm256_store_si256(reinterpret_cast<__m256i*>(qs[t]), group_ints_avx2<F>(blk, s));
-          const GroupScales sc = group_scales<F>(blk, s);
-          sa[t] = sc.a, sb[t] = sc.b;
+          _mm256_store_si256(reinterpret_cast<__m256i*>(qs[t]),
+                             group_ints_avx2<F>(blk, static_cast<int>((g + t) % G::GROUPS)));
         }
+        group_scales8<F>(w + o * row_bytes, g, sa, sb);
         const __m256 va = _mm256_load_ps(sa), vb = _mm256_load_ps(sb);
         for (int r = 0; r < R; ++r) {
           const int8_t* qx = a.qi + (r0 + r) * a.kq;
