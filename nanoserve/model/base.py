@@ -13,6 +13,13 @@ from torch import Tensor, nn
 from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, tiled
 
 
+def set_weight(module: nn.Module, name: str, w: Tensor | BlockWeight | RowGroups) -> None:
+    """Put w where the module's fp32 parameter `name` was (a module may not overwrite a parameter in place): how a
+    family's loader hands it a file's blocks."""
+    delattr(module, name)
+    setattr(module, name, w)
+
+
 class DecoderLM(nn.Module):
     """The family-independent half of a decoder-only model (`Llama`, `Gemma3` subclass it)."""
 

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
-from .base import DecoderLM
+from .base import DecoderLM, set_weight
 from .gguf_file import gguf_field, hf_tensors
 from .matmul import embedding, linear, linear_weight
 from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
@@ -209,8 +209,6 @@ class Gemma3(DecoderLM):
     def place_gguf(self, t) -> None:
         """The GGUF file's tensors (`gguf_weights.Tensors`) in place: its blocks as they lie, q/k/v and gate/up
         stacked by rows (`RowGroups` where v's format is not q's), llama.cpp's 1 + w norms back to w."""
-        from .gguf_weights import set_weight
-
         cfg = self.cfg
         C, D, I, H, K = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.n_heads, cfg.n_kv_heads  # noqa: E741
         set_weight(self, "embed", t.matrix(["token_embd.weight"], (cfg.vocab_size, C), "token_embd"))

@@ -24,7 +24,7 @@ from torch import nn
 from ..config import CheckpointError, ModelConfig
 from ..kernels import side_by_side
 from ..kernels.quant import dequantize
-from .base import DecoderLM
+from .base import DecoderLM, set_weight
 from .fetch import family_converter, unpermute_rope_rows
 from .gguf_file import GGUFFile
 from .llama import Llama
@@ -139,12 +139,6 @@ def to_blocks(model: Llama, fmt: str = "q4_1", head_fmt: str = "q8_0", activatio
             for name in ("wqkv", "wo", "w_gate_up", "w_down"):
                 set_weight(blk, name, BlockWeight.quantize(getattr(blk, name).detach(), fmt))
     return set_activations(model, activations)
-
-
-def set_weight(module: nn.Module, name: str, w: BlockWeight | RowGroups | nn.Parameter) -> None:
-    """Put w where the module's fp32 parameter `name` was (a module may not overwrite a parameter in place)."""
-    delattr(module, name)
-    setattr(module, name, w)
 
 
 def load_gguf(path: str | Path, cfg: ModelConfig | None = None, activations: str = "fp32",
