@@ -19,7 +19,8 @@ The arithmetic (`csrc/int8.cpp` says it in full), per row of x and weight row:
 
 Q5_0, Q4_K and Q6_K (Gemma 3's formats) take the same steps group of 32 by group, each group with its own
 scales (`group_terms` says which; `csrc/int8.cpp` has the steps): their integer sums come from the portable loop
-or, on every x86 road, from AVX2's, and they have no packed layout.
+or, on every x86 road, from AVX2's. A Q5_0 group's steps are a Q8_0 block's, so Q5_0 packs as Q8_0
+(`q5_0_as_q8_0`); on the 256-bit roads the K-quants pack as their groups' integers and fp32 scales (`as_k8`).
 
 The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI, AVX-VNNI, AVX2, the
 portable loop) gives the same bits, a row's result depends on that row of x only, and
@@ -186,24 +187,64 @@ def packed_here() -> bool:
     return bool(available() and load_kernels().int8_packed_here())  # type: ignore[union-attr]
 
 
-PACKED_FORMATS = ("q4_1", "q8_0")  # the formats with a packed layout; the others' products read the blocks
+PACKED_AS = {"q4_1": "q4_1", "q8_0": "q8_0", "q5_0": "q8_0", "q4_k": "q4_k8", "q6_k": "q6_k8"}
+"""Each format with a packed layout -> the blocks that layout moves: its own, Q5_0's as Q8_0 (`q5_0_as_q8_0`), a
+K-quant's as K8 (`as_k8`)."""
+PACKED_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34, "q4_k8": 40, "q6_k8": 40}  # bytes a group of 32, as packed
+ROWS_ONLY = ("q4_k", "q6_k")  # packed by the 256-bit roads only (AVX512-VNNI's quads have no K8 layout)
+
+
+def as_k8(blocks: Tensor, fmt: str) -> Tensor:
+    """Q4_K or Q6_K blocks (N, nb * bytes) -> K8 blocks (N, groups * 40): each group of 32 as its scales a, b (fp32,
+    `group_terms`' numbers) and its 32 integer weights (signed bytes). The packed product reads them with the
+    format's own fp32 steps (Q4_K: (a * d) * isum + b * ds; Q6_K: (a * d) * isum0 + (b * d) * isum1), so the bits
+    are the blocks' product's; at 40 bytes a group instead of 18 (Q4_K) or 26 (Q6_K), the integers need no
+    unpacking and the scales no decoding."""
+    if fmt not in ROWS_ONLY:
+        raise ValueError(f"as_k8 reads q4_k and q6_k blocks, not {fmt}")
+    qw, a, b, _ = group_terms(blocks, fmt)
+    N, ng = a.shape
+    scales = torch.stack([a, b], -1).contiguous().view(torch.uint8)  # (N, ng, 8)
+    return torch.cat([scales, qw.to(torch.int8).view(torch.uint8)], -1).reshape(N, ng * 40)
+
+
+def q5_0_as_q8_0(blocks: Tensor) -> Tensor:
+    """Q5_0 blocks (N, nb * 22) -> Q8_0 blocks (N, nb * 34) of the same numbers: each block's fp16 d, then its
+    integers q - 16 (-16..15) as signed bytes. The int8 product's steps for a Q5_0 group and a Q8_0 block are the
+    same ((d_w * d) * isum into lane b % 16), so the Q8_0 product of these blocks is the Q5_0 product, bit for
+    bit, at 34 bytes a block instead of 22: the price of a layout whose integers need no unpacking."""
+    f = quant.block_format("q5_0")
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] % f.bytes:
+        raise ValueError(f"blocks: expected uint8 (rows, n * {f.bytes}) for q5_0, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)}")
+    b = blocks.reshape(blocks.shape[0], -1, f.bytes)
+    q, _ = quant.q5_0_ints(b)
+    return torch.cat([b[..., :2], q.to(torch.int8).view(torch.uint8)], -1).reshape(blocks.shape[0], -1)
 
 
 def pack(blocks: Tensor, fmt: str, road: str | None = None) -> Tensor | None:
-    """blocks (N, K / 32 * bytes) -> the same bytes in `road`'s packed layout (None: this CPU's best), 1-dim,
+    """blocks (N, K / 32 * bytes) -> the same numbers in `road`'s packed layout (None: this CPU's best), 1-dim,
     (N + 3) // 4 * 4 rows' worth and a 64-byte tail: blocks moved so that each register's lanes are one (row,
     block) each (`csrc/int8.cpp`: four rows' quads side by side for AVX512-VNNI, a row's groups of eight for
-    AVX2). None for a format without one (Q5_0, Q4_K, Q6_K), whose product reads the blocks as they lie."""
+    AVX2). Q5_0 packs as the Q8_0 blocks of its numbers (`q5_0_as_q8_0`), Q4_K and Q6_K as K8 blocks (`as_k8`) on
+    the 256-bit roads. None where the road has no packed layout for the format (AVX512-VNNI: the K-quants), whose
+    product then reads the blocks as they lie."""
     block_bytes(fmt)
-    if fmt not in PACKED_FORMATS:
+    if fmt not in PACKED_AS:
         return None
-    return load_kernels().pack_blocks_int8(blocks, fmt, road or "")  # type: ignore[union-attr]
+    if fmt in ROWS_ONLY:
+        if (road or int8_road()) == "avx512-vnni":
+            return None
+        blocks = as_k8(blocks, fmt)
+    elif fmt == "q5_0":
+        blocks = q5_0_as_q8_0(blocks)
+    return load_kernels().pack_blocks_int8(blocks, PACKED_AS[fmt], road or "")  # type: ignore[union-attr]
 
 
 def block_linear_int8_packed(x: Tensor, packed: Tensor, fmt: str, out_features: int, road: str | None = None,
                              ) -> Tensor:
     """`block_linear_int8` on `pack(blocks, fmt, road)`, on that road: the same bits."""
-    return load_kernels().block_linear_int8_packed(x.contiguous(), packed, fmt, out_features,  # type: ignore
+    return load_kernels().block_linear_int8_packed(x.contiguous(), packed, PACKED_AS[fmt], out_features,  # type: ignore
                                                    road or "")
 
 

@@ -208,7 +208,7 @@ def packing_roads() -> list[str]:
     return [r for r in int8.int8_roads() if r != "scalar"] if int8.packed_here() else []
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "q5_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("shape", [*SHAPES, (576, 1536), (960, 576)])
 def test_every_packed_layout_is_the_reference_bit_for_bit(ext, fmt, shape):
     """Products read packed copies: short last groups of blocks, short last groups of rows, 1..9 rows of x (two
@@ -216,13 +216,19 @@ def test_every_packed_layout_is_the_reference_bit_for_bit(ext, fmt, shape):
     if not packing_roads():
         pytest.skip("no road with a packed layout on this CPU")
     n, k = shape
+    if k % quant.block_weights(fmt):
+        k = -(-k // 256) * 256  # a K-quant's rows are whole super-blocks
     blocks, _ = blocks_for(n, k, fmt, seed=n * k)
     x = activations(9, k, seed=k + 1)
     with torch.inference_mode():
         for road in packing_roads():
             packed = int8.pack(blocks, fmt, road)
-            assert packed.numel() == -(-n // 4) * 4 * blocks.shape[1] + 64  # the same bytes, rows padded to fours,
-            # and a 64-byte tail
+            if packed is None:  # AVX512-VNNI's quads have no K-quant layout: its product reads the blocks
+                assert fmt in int8.ROWS_ONLY and road == "avx512-vnni"
+                continue
+            row = k // 32 * int8.PACKED_BLOCK_BYTES[int8.PACKED_AS[fmt]]  # Q5_0 packs as Q8_0, K-quants as K8
+            assert packed.numel() == -(-n // 4) * 4 * row + 64  # the same bytes, rows padded to fours, and a
+            # 64-byte tail
             for rows in range(1, 10):
                 want = int8.block_linear_int8_reference(x[:rows], blocks, fmt)
                 assert torch.equal(int8.block_linear_int8_packed(x[:rows], packed, fmt, n, road), want), (road, rows)
@@ -243,7 +249,7 @@ def test_packed_layouts_keep_non_finite_blocks_and_refuse_bad_input(ext):
         int8.block_linear_int8_packed(x, packed[:-1], "q4_1", 6)
     with pytest.raises(RuntimeError, match=r"packed: expected the 784 contiguous uint8 bytes of 12 rows"):
         int8.block_linear_int8_packed(x, packed, "q4_1", 12)
-    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0', got 'q5_0'"):
+    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1', 'q8_0', 'q4_k8' or 'q6_k8', got 'q5_0'"):
         ext.pack_blocks_int8(blocks, "q5_0", "")
     with pytest.raises(RuntimeError, match=r"blocks: expected a contiguous uint8 CPU tensor \(rows, n \* 34\)"):
         ext.pack_blocks_int8(blocks, "q8_0", "")  # rows of 60 bytes are not Q8_0's
@@ -281,6 +287,34 @@ def test_q5_0_rows_off_a_chunk_of_eight_groups(ext, k):
         want = int8.block_linear_int8_reference(x, blocks, "q5_0")
         for road in ext.int8_roads():
             assert torch.equal(int8.block_linear_int8(x, blocks, "q5_0", road), want), road
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
+def test_k8_blocks_hold_the_groups_terms(fmt):
+    """A K8 block is its group's scales and integers as the product's steps read them (`group_terms`)."""
+    blocks, _ = blocks_for(5, 512, fmt, seed=12)
+    k8 = int8.as_k8(blocks, fmt).view(5, 16, 40)
+    qw, a, b, _ = int8.group_terms(blocks, fmt)
+    assert torch.equal(k8[..., :4].contiguous().view(torch.float32)[..., 0], a)
+    assert torch.equal(k8[..., 4:8].contiguous().view(torch.float32)[..., 0], b)
+    assert torch.equal(k8[..., 8:].contiguous().view(torch.int8).int(), qw)
+    with pytest.raises(ValueError, match="as_k8 reads q4_k and q6_k blocks, not q5_0"):
+        int8.as_k8(blocks, "q5_0")
+
+
+def test_q5_0_as_q8_0_holds_the_same_numbers_and_gives_the_same_product():
+    """Every Q5_0 bit pattern (finite d): the Q8_0 blocks dequantize to the same weights, and on the torch
+    reference (the compiled roads' bits) their int8 product is the Q5_0 product's."""
+    blocks = torch.randint(0, 256, (7, 4 * 22), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    blocks.view(7, 4, 22)[..., 1] &= 0xbb  # d finite
+    q8 = int8.q5_0_as_q8_0(blocks)
+    assert q8.shape == (7, 4 * 34)
+    assert torch.equal(quant.dequantize(q8, "q8_0"), quant.dequantize(blocks, "q5_0"))
+    x = activations(3, 128, seed=4)
+    assert torch.equal(int8.block_linear_int8_reference(x, q8, "q8_0"),
+                       int8.block_linear_int8_reference(x, blocks, "q5_0"))
+    with pytest.raises(ValueError, match=r"blocks: expected uint8 \(rows, n \* 22\) for q5_0"):
+        int8.q5_0_as_q8_0(blocks[:, :30])
 
 
 @pytest.mark.parametrize("fmt", GROUPED)
@@ -321,6 +355,9 @@ def test_grouped_formats_refuse_bad_input(ext):
         ext.block_linear_int8(torch.randn(2, 320), blocks, "q4_k", "")
     with pytest.raises(RuntimeError, match="blocks: rows of 288 bytes, expected 420"):
         ext.block_linear_int8(torch.randn(2, 512), blocks, "q6_k", "")
-    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1' or 'q8_0'"):
-        ext.pack_blocks_int8(blocks, "q4_k", "")  # no packed layout for them
-    assert int8.pack(blocks, "q4_k") is None  # so a BlockWeight on int8 activations reads its blocks
+    with pytest.raises(RuntimeError, match="fmt: expected 'q4_1', 'q8_0', 'q4_k8' or 'q6_k8'"):
+        ext.pack_blocks_int8(blocks, "q4_k", "")  # the blocks are packed as K8 (`int8.as_k8`), never as they lie
+    if "avx512-vnni" in ext.int8_roads():
+        assert int8.pack(blocks, "q4_k", "avx512-vnni") is None  # so its products read the blocks
+        with pytest.raises(RuntimeError, match="road 'avx512-vnni' has no packed layout for q4_k8"):
+            ext.pack_blocks_int8(int8.as_k8(blocks, "q4_k"), "q4_k8", "avx512-vnni")

@@ -60,10 +60,18 @@ constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved
 constexpr int64_t ROWS_PER_TASK = 16;
 constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's task: groups of four rows
 
-enum class Fmt { Q4_1, Q8_0 };
+constexpr int64_t K8_BYTES = 40;    // fp32 a, fp32 b, 32 signed bytes: a K-quant group as the 256-bit roads pack it
+
+// Q4_K8 and Q6_K8 are Q4_K's and Q6_K's groups of 32 with their integers and scales laid out (`as_k8` in
+// kernels/int8.py): a = the group's scale (Q6_K: its first half's), b = Q4_K's -M or Q6_K's second half's scale,
+// then qw. Only the 256-bit roads' packed layout holds them (pack_row8); their fp32 steps are group_c's.
+enum class Fmt { Q4_1, Q8_0, Q4_K8, Q6_K8 };
+
+constexpr int64_t fmt_bytes(Fmt f) { return f == Fmt::Q4_1 ? Q4_1_BYTES : f == Fmt::Q8_0 ? Q8_0_BYTES : K8_BYTES; }
+constexpr bool is_k8(Fmt f) { return f == Fmt::Q4_K8 || f == Fmt::Q6_K8; }
 
 template <Fmt F>
-constexpr int64_t block_bytes() { return F == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES; }
+constexpr int64_t block_bytes() { return fmt_bytes(F); }
 
 // x quantized, B rows, as the vector roads read it: 4 blocks to 128 bytes (a quad), the first halves (positions
 // 0..15) of blocks 4t..4t+3, then their second halves, zeros padding the row to a whole pair of quads; a weight
@@ -517,18 +525,24 @@ void pack_group(Fmt f, const uint8_t* w, int64_t row_bytes, int64_t nb, int rows
 //   Q4_1: 4 registers of 4n bytes, register k lane i = the block's nibble bytes 4k..4k+3; the n fp16 d; the n m.
 //   Q8_0: 8 registers of 4n bytes, register k lane i = the block's weights at positions P(k)..P(k)+3 (signed, as
 //         the file has them); the n fp16 d.
+//   Q4_K8, Q6_K8: Q8_0's 8 registers; the n fp32 a; the n fp32 b.
 void pack_row8(Fmt f, const uint8_t* w, int64_t nb, uint8_t* out) {
-  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  const int64_t bytes = fmt_bytes(f), at = f == Fmt::Q8_0 ? 2 : 8;  // where a block's integers start
   const int regs = f == Fmt::Q4_1 ? 4 : 8;
   for (int64_t b0 = 0; b0 < nb; b0 += 8) {
     const int64_t n = std::min<int64_t>(8, nb - b0);
     for (int64_t i = 0; i < n; ++i) {
       const uint8_t* blk = w + (b0 + i) * bytes;
       for (int k = 0; k < regs; ++k) {
-        const int64_t src = f == Fmt::Q4_1 ? 4 + 4 * k : 2 + (k < 4 ? 4 * k : 16 + 4 * (k - 4));
+        const int64_t src = f == Fmt::Q4_1 ? 4 + 4 * k : at + (k < 4 ? 4 * k : 16 + 4 * (k - 4));
         std::memcpy(out + 4 * n * k + 4 * i, blk + src, 4);
       }
       uint8_t* head = out + 4 * n * regs;
+      if (is_k8(f)) {
+        std::memcpy(head + 4 * i, blk, 4);          // a
+        std::memcpy(head + 4 * n + 4 * i, blk + 4, 4);  // b
+        continue;
+      }
       std::memcpy(head + 2 * i, blk, 2);                                  // d
       if (f == Fmt::Q4_1) std::memcpy(head + 2 * n + 2 * i, blk + 2, 2);  // m
     }
@@ -782,7 +796,8 @@ bool packed_here() { return best().layout != Layout::NONE; }
 void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B,
                     float* out, Team* team = nullptr) {
   TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
-  const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+  TORCH_CHECK(road.layout == Layout::ROWS || !is_k8(f), "road '", road.name, "' has no packed layout for K-quants");
+  const int64_t row_bytes = K / QK * fmt_bytes(f);
   const Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
@@ -793,8 +808,9 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
 }
 
 Fmt checked_fmt(const std::string& fmt) {
-  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", "fmt: expected 'q4_1' or 'q8_0', got '", fmt, "'");
-  return fmt == "q4_1" ? Fmt::Q4_1 : Fmt::Q8_0;
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0" || fmt == "q4_k8" || fmt == "q6_k8",
+              "fmt: expected 'q4_1', 'q8_0', 'q4_k8' or 'q6_k8', got '", fmt, "'");
+  return fmt == "q4_1" ? Fmt::Q4_1 : fmt == "q8_0" ? Fmt::Q8_0 : fmt == "q4_k8" ? Fmt::Q4_K8 : Fmt::Q6_K8;
 }
 
 const Road& packing_road(const std::string& name) {
@@ -812,7 +828,8 @@ torch::Tensor pack_blocks_int8(torch::Tensor blocks, std::string fmt, std::strin
   using namespace int8q;
   const Fmt f = checked_fmt(fmt);
   const Road& chosen = packing_road(road);
-  const int64_t bytes = f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES;
+  TORCH_CHECK(chosen.layout == Layout::ROWS || !is_k8(f), "road '", chosen.name, "' has no packed layout for ", fmt);
+  const int64_t bytes = fmt_bytes(f);
   TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 2 &&
               blocks.is_contiguous() && blocks.size(1) % bytes == 0,
               "blocks: expected a contiguous uint8 CPU tensor (rows, n * ", bytes, ") of ", fmt, " blocks, got ",
@@ -840,7 +857,7 @@ torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, st
   const Fmt f = checked_fmt(fmt);
   const Road& chosen = packing_road(road);
   const int64_t B = checked_rows(x), K = x.size(-1);
-  const int64_t row_bytes = K / QK * (f == Fmt::Q4_1 ? Q4_1_BYTES : Q8_0_BYTES);
+  const int64_t row_bytes = K / QK * fmt_bytes(f);
   TORCH_CHECK(N >= 0 && packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.dim() == 1 &&
               packed.is_contiguous() && packed.numel() == packed_bytes(N, row_bytes),
               "packed: expected the ", packed_bytes(N, row_bytes), " contiguous uint8 bytes of ", N, " rows of ", K,
@@ -1416,6 +1433,7 @@ constexpr int TILE = 4;  // rows of x per pair of blocks read
 template <Fmt F, int R, bool FULL, int H>
 ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int64_t b, __m256* acc) {
   constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
+  constexpr bool K8 = is_k8(F);
   const int64_t reg = FULL ? 32 : 4 * n;
   for (int64_t ahead = PREFETCH; ahead < PREFETCH + n * block_bytes<F>(); ahead += 64)
     ROAD_PREFETCH(p + ahead);
@@ -1436,7 +1454,10 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
   }
   const uint8_t* h = p + REGS * reg;
   __m256 dw, mw;
-  if constexpr (FULL) {
+  if constexpr (K8) {  // fp32 a, b: whole loads again, the lanes past n dropped
+    dw = _mm256_loadu_ps(reinterpret_cast<const float*>(h));
+    mw = _mm256_loadu_ps(reinterpret_cast<const float*>(h + (FULL ? 32 : 4 * n)));
+  } else if constexpr (FULL) {
     dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
     mw = F == Fmt::Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 16))) : dw;
   } else {
@@ -1459,7 +1480,8 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
       if constexpr (F == Fmt::Q4_1 && !FLIP) {
         p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(w[k], xl));
         p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(w[4 + k], xh));
-      } else if constexpr (F == Fmt::Q8_0 && !FLIP) {
+      } else if constexpr ((F == Fmt::Q8_0 && !FLIP) || K8) {  // K8: |w| and sign on every road (each half's sum
+        // is kept: FLIP's correction is a whole block's)
         s0 = dot(s0, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xl, w[k]));
         s1 = dot(s1, _mm256_abs_epi8(w[4 + k]), _mm256_sign_epi8(xh, w[4 + k]));
       } else if constexpr (F == Fmt::Q8_0) {
@@ -1479,8 +1501,15 @@ ROAD_FN void pgroup(const uint8_t* p, int64_t n, const Acts& a, int64_t r0, int6
     const int64_t at = (r0 + r) * a.ld + b;
     if constexpr (F == Fmt::Q8_0 && FLIP)
       isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.s + at)), 7));
-    __m256 c = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(a.d + at)), _mm256_cvtepi32_ps(isum));
-    if constexpr (F == Fmt::Q4_1) c = _mm256_add_ps(c, _mm256_mul_ps(mw, _mm256_loadu_ps(a.ds + at)));
+    const __m256 d = _mm256_loadu_ps(a.d + at);
+    __m256 c;
+    if constexpr (F == Fmt::Q6_K8) {  // group_c's: (a * d) * i0, then + (b * d) * i1
+      c = _mm256_mul_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(s0));
+      c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(mw, d), _mm256_cvtepi32_ps(s1)));
+    } else {
+      c = _mm256_mul_ps(_mm256_mul_ps(dw, d), _mm256_cvtepi32_ps(isum));
+    }
+    if constexpr (F == Fmt::Q4_1 || F == Fmt::Q4_K8) c = _mm256_add_ps(c, _mm256_mul_ps(mw, _mm256_loadu_ps(a.ds + at)));
     __m256& ac = acc[2 * r + H];
     ac = FULL ? _mm256_add_ps(ac, c) : _mm256_blendv_ps(ac, _mm256_add_ps(ac, c), _mm256_castsi256_ps(live));
   }
@@ -1525,7 +1554,9 @@ __attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* pack
   for (int64_t r0 = 0; r0 < B; r0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, B - r0));
     if (f == Fmt::Q4_1) prows_tile<Fmt::Q4_1>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
-    else prows_tile<Fmt::Q8_0>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
+    else if (f == Fmt::Q8_0) prows_tile<Fmt::Q8_0>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
+    else if (f == Fmt::Q4_K8) prows_tile<Fmt::Q4_K8>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
+    else prows_tile<Fmt::Q6_K8>(n, packed, row_bytes, o0, o1, a, r0, out + r0 * N, N);
   }
 }
 
