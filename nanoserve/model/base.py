@@ -55,9 +55,12 @@ class DecoderLM(nn.Module):
 
     def one_row_same_bits(self, compiled: bool | None) -> bool:
         """Whether a step of one row gives it the bits a step of many would, with no rows added: every product on
-        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones). Elsewhere a
-        batch-invariant runner pads one row to more."""
-        return bool(compiled) and all(isinstance(w, Tensor) and tiled(w) is not None for w in self.matrices())
+        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones) or on the block
+        kernels (GGUF blocks or row groups of them: each output row from its own row of x, `quant.block_linear`,
+        `kernels.int8`). Elsewhere a batch-invariant runner pads one row to more."""
+        def alone(w: Tensor | BlockWeight | RowGroups) -> bool:
+            return isinstance(w, BlockWeight | RowGroups) or tiled(w) is not None
+        return bool(compiled) and all(map(alone, self.matrices()))
 
     def num_parameters(self) -> int:
         """Weights, whatever holds them (tied weights are counted once)."""
