@@ -103,7 +103,8 @@ class PagedAttention:
         self.scratches: list[dict] = [{} for _ in self.group_metadata]  # what one layer builds, its group reuses
         self.scratch = self.scratches[0]
 
-    supports_sliding_window = True  # a sliding layer's queries read their window's keys (`torch_ops.window_attend`)
+    supports_sliding_window = True  # a sliding layer's queries read their window's keys: the compiled kernel's
+    # window where it runs (fp32 pool, window <= SPLIT_KEYS), else `torch_ops.window_attend`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         B, T, H, D = q.shape
@@ -114,7 +115,11 @@ class PagedAttention:
         n = md.num_tokens  # real tokens come first: padding rows are never written
         self.storage.write(layer, md.slot_mapping, k[:n], v[:n])
         k_pool, v_pool = self.storage.layer(layer)
-        if window is not None:
+        if window is not None and self.impl == "compiled" and k_pool.dtype == torch.float32 \
+                and window <= kernels.SPLIT_KEYS:  # the kernel reads each row's window where it lies
+            out = kernels.paged_attention(q, k_pool, v_pool, md.query_start_loc, md.seq_lens, md.block_tables,
+                                          D ** -0.5, window=window).view(B * T, H * D)
+        elif window is not None:
             out = torch_ops.window_attend(q, k_pool, v_pool, md, window, scratch)
         else:
             out = self.attend(q, k, v, k_pool, v_pool, md, scratch)

@@ -8,7 +8,7 @@ arithmetic in four calls:
 
     add_rms_norm     x + residual and its RMSNorm, one pass
     rope_            the q and k heads rotated in place
-    silu_mul         silu(gate) * up
+    silu_mul         silu(gate) * up (gelu_tanh_mul: Gemma's gelu_tanh(gate) * up)
     paged_attention  each query row over its request's keys, read where they lie in the pool; a long
                      decode row split into pieces on several cores and merged (split-K)
 
@@ -189,6 +189,13 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int, round_bf16: bool = 
     return qkv
 
 
+def gelu_tanh_mul(gate_up: Tensor) -> Tensor:
+    """gate_up (..., 2I) fp32 -> gelu_tanh(gate) * up (..., I): GeGLU's middle (Gemma), as x / (1 + e^(-2u))."""
+    if has_torch_function((gate_up,)):
+        return handle_torch_function(gelu_tanh_mul, (gate_up,), gate_up)
+    return _ext().gelu_tanh_mul(gate_up)
+
+
 def silu_mul(gate_up: Tensor) -> Tensor:
     """gate_up (..., 2I) -> silu(gate) * up (..., I), in gate_up's dtype (bf16: computed in fp32, rounded once)."""
     if has_torch_function((gate_up,)):
@@ -229,17 +236,18 @@ the thread count; a multiple of every block size the engine uses."""
 
 
 def paged_attention(q: Tensor, k_pool: Tensor, v_pool: Tensor, query_start_loc: Tensor, seq_lens: Tensor,
-                    block_tables: Tensor, scale: float, split_keys: int | None = None) -> Tensor:
+                    block_tables: Tensor, scale: float, split_keys: int | None = None, window: int = 0) -> Tensor:
     """Each query row over its request's keys in the pool (see `attention.metadata`). q (N, H, D);
     pools (blocks, block_size, K, D) -> (N, H*D); padding rows past query_start_loc[-1] are zero. Every query
     row is computed as a decode row, so its bits depend on its query and its keys only. split_keys: split-K's
-    piece for rows of more keys (None: SPLIT_KEYS; 0: never split)."""
+    piece for rows of more keys (None: SPLIT_KEYS; 0: never split). window > 0: a sliding layer's, the query at
+    position p sees keys p - window + 1 .. p only (at most split_keys of them)."""
     args = (q, k_pool, v_pool, query_start_loc, seq_lens, block_tables)
     split_keys = SPLIT_KEYS if split_keys is None else split_keys
     if has_torch_function(args):
-        return handle_torch_function(paged_attention, args, *args, scale, split_keys)
+        return handle_torch_function(paged_attention, args, *args, scale, split_keys, window)
     return _ext().paged_attention(q.contiguous(), k_pool, v_pool, query_start_loc, seq_lens, block_tables, scale,
-                                  split_keys)
+                                  split_keys, window)
 
 
 PROMPT_BF16_HEAD_DIMS = (64, 128)

@@ -22,20 +22,34 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import kernels
 from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from .base import DecoderLM, set_weight
 from .gguf_file import gguf_field, hf_tensors
 from .matmul import embedding, linear, linear_weight
-from .ops import apply_rope, rms_norm, rope_cos_sin, rope_frequencies
+from .ops import add_rms_norm, gelu_tanh_mul, rms_norm, rope_cos_sin, rope_frequencies, rope_qk
 
 
 def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 (a weight of zeros is the identity scale)."""
     return rms_norm(x, 1.0 + weight, eps)
+
+
+def one_plus(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
+    """The (1 + w) of `module`'s norm weights `names`, made once and kept until a weight changes (loading writes
+    them in place: their version moves) or moves: what the step's norms multiply by, without an add each call.
+    An inference tensor keeps no version: one written in place where it lies keeps its old (1 + w)."""
+    ws = [getattr(module, n) for n in names]
+    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in ws)
+    kept = module.__dict__.get("_one_plus")
+    if kept is None or kept[0] != key:
+        with torch.no_grad():
+            kept = (key, [1.0 + w.detach() for w in ws])
+        module.__dict__["_one_plus"] = kept
+    return kept[1]
 
 
 def attend(kv: KVBackend, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None, seen: int) -> Tensor:
@@ -70,24 +84,33 @@ class Gemma3Block(nn.Module):
         # SDPA scales by D^-0.5; q is pre-scaled when the config asks for another scale (Gemma 3 270M: none)
         self.q_scale = None if cfg.query_pre_attn_scalar in (None, D) else math.sqrt(D / cfg.query_pre_attn_scalar)
 
+    NORMS = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm", "q_norm", "k_norm")
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
                 compiled: bool | None = False) -> Tensor:
         """x (B, T, C) -> (B, T, C): x + norm(attention(norm(x))), then that + norm(mlp(norm(that))). `compiled`:
-        the products' road (`linear`: the tiles where the model packed them)."""
+        the products' road (`linear`: the tiles where the model packed them) and the norms' (`add_rms_norm`: the
+        compiled kernel, the residual add in the same pass)."""
         eps = self.cfg.rms_norm_eps
-        h = self.attention(gemma_rms_norm(x, self.attn_norm, eps), cos, sin, layer, kv, seen, compiled)
-        x = x + gemma_rms_norm(h, self.post_attn_norm, eps)
-        h = self.mlp(gemma_rms_norm(x, self.mlp_norm, eps), compiled)
-        return x + gemma_rms_norm(h, self.post_mlp_norm, eps)
+        s_attn, s_post_attn, s_mlp, s_post_mlp, s_q, s_k = one_plus(self, self.NORMS)
+        c = bool(compiled)
+        h = self.attention(add_rms_norm(x, None, s_attn, eps, c)[1], cos, sin, layer, kv, seen, compiled, s_q, s_k)
+        x, h = add_rms_norm(x, add_rms_norm(h, None, s_post_attn, eps, c)[1], s_mlp, eps, c)
+        return x + add_rms_norm(self.mlp(h, compiled), None, s_post_mlp, eps, c)[1]
 
     def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
-                  compiled: bool | None = False) -> Tensor:
+                  compiled: bool | None = False, s_q: Tensor | None = None, s_k: Tensor | None = None) -> Tensor:
+        """`s_q`, `s_k`: the QK-norms' (1 + w), where the caller keeps them (`one_plus`)."""
         cfg = self.cfg
         B, T, _ = h.shape
         H, K, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        if s_q is None or s_k is None:
+            s_q, s_k = one_plus(self, self.NORMS)[4:]
+        c, eps = bool(compiled), cfg.rms_norm_eps
         q, k, v = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
-        q = apply_rope(gemma_rms_norm(q, self.q_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, H, D)
-        k = apply_rope(gemma_rms_norm(k, self.k_norm, cfg.rms_norm_eps), cos, sin)  # (B, T, K, D)
+        q = add_rms_norm(q.contiguous(), None, s_q, eps, c)[1]  # QK-norm, each head's D numbers
+        k = add_rms_norm(k.contiguous(), None, s_k, eps, c)[1]
+        q, k, v = rope_qk(torch.cat([q, k, v], dim=2), cos, sin, H, K, c)  # (B, T, H, D), (B, T, K, D) x 2
         if self.q_scale is not None:
             q = q * self.q_scale
         out = attend(kv, layer, q, k, v, self.window, seen)  # (B, T, H*D)
@@ -95,8 +118,7 @@ class Gemma3Block(nn.Module):
 
     def mlp(self, h: Tensor, compiled: bool | None = False) -> Tensor:
         """GeGLU: gelu_tanh(gate) * up from one product, projected back down. h (B, T, C)."""
-        gate, up = linear(h, self.w_gate_up, compiled).chunk(2, dim=-1)
-        return linear(F.gelu(gate, approximate="tanh") * up, self.w_down, compiled)
+        return linear(gelu_tanh_mul(linear(h, self.w_gate_up, compiled), bool(compiled)), self.w_down, compiled)
 
 
 class Gemma3(DecoderLM):
@@ -136,13 +158,14 @@ class Gemma3(DecoderLM):
         if positions is None:
             positions = torch.arange(T, device=ids.device).expand(B, T)
         kv = kv or no_cache_backend()
+        compiled = kernels.resolve(compiled)
         seen = int(positions.max()) + 1
         rope = {None: rope_cos_sin(self.inv_freq, positions), "local": rope_cos_sin(self.inv_freq_local, positions)}
         x = embedding(ids, self.embed, self.dtype) * self.embed_scale  # (B, T, C)
         for i, block in enumerate(self.layers):
             cos, sin = rope["local" if block.window else None]  # (B, T, 1, D) each
             x = block(x, cos, sin, i, kv, seen, compiled)
-        return gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return add_rms_norm(x, None, one_plus(self, ("norm",))[0], self.cfg.rms_norm_eps, compiled)[1]
 
     def logits(self, h: Tensor, compiled: bool | None = None) -> Tensor:
         """The tied head: h (..., C) -> fp32 logits (..., V)."""

@@ -95,6 +95,14 @@ def rope_qk(qkv: Tensor, cos: Tensor, sin: Tensor, n_heads: int, n_kv_heads: int
     return q, k, v
 
 
+def gelu_tanh_mul(gate_up: Tensor, compiled: bool = False) -> Tensor:
+    """GeGLU's middle (Gemma): gate_up (..., 2I) fp32 -> gelu_tanh(gate) * up (..., I)."""
+    if compiled and kernels.fits(gate_up):
+        return kernels.gelu_tanh_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def silu_mul(gate_up: Tensor, compiled: bool = False) -> Tensor:
     """SwiGLU's middle: gate_up (..., 2I), the gate and up projections side by side -> silu(gate) * up (..., I),
     in gate_up's dtype."""

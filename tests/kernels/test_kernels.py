@@ -100,6 +100,20 @@ def test_silu_mul_is_swiglu_including_far_out_inputs(compiled):
     torch.testing.assert_close(out, F.silu(gate) * up, atol=1e-6, rtol=2e-6)
 
 
+def test_gelu_tanh_mul_is_geglu_including_far_out_inputs(compiled):
+    """Gemma's GeGLU: the kernel's x / (1 + e^(-2u)) is torch's 0.5 x (1 + tanh(u)) to fp32 rounding."""
+    g = torch.Generator().manual_seed(5)
+    gate_up = torch.randn(7, 2, 2 * 40, generator=g) * 4
+    gate_up[0, 0, :4] = torch.tensor([-200.0, -9.0, 9.0, 200.0])  # past the exp's clamps, and the cube's
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = kernels.gelu_tanh_mul(gate_up)
+    assert out.shape == (7, 2, 40) and torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.gelu(gate, approximate="tanh") * up, atol=1e-6, rtol=2e-6)
+    assert torch.equal(model_ops.gelu_tanh_mul(gate_up), F.gelu(gate, approximate="tanh") * up)  # torch's road
+    with pytest.raises(RuntimeError, match="gate_up: last dim 5 is not even"):
+        kernels.gelu_tanh_mul(torch.randn(2, 5))
+
+
 def bf16_case(n: int = 9, C: int = 200) -> torch.Tensor:
     """Numbers with ties, a NaN and infinities among them: what the narrowing to bf16 must round as torch does."""
     x = torch.randn(n, C, generator=torch.Generator().manual_seed(3)) * 4
@@ -481,6 +495,52 @@ def test_paged_attention_is_the_reference_gather(compiled, bs, split_keys):
     case = ragged_case(lens, T, bs, seed=bs + split_keys)
     out = kernels.paged_attention(**case, split_keys=split_keys)
     torch.testing.assert_close(out, gathered(case), atol=2e-6, rtol=1e-5)
+
+
+def windowed(case, window):
+    """Each query over the keys of its window only: the gathered read with SDPA's mask (p - window < key <= p)."""
+    from nanoserve.attention.reference import gather_blocks
+
+    q, qsl, out = case["q"], case["query_start_loc"].tolist(), []
+    for r, n in enumerate(case["seq_lens"].tolist()):
+        s, e = qsl[r], qsl[r + 1]
+        table = case["block_tables"][r].clamp(min=0)  # freed blocks (-1) lie wholly before every query's window
+        kc, vc = gather_blocks(case["k_pool"], case["v_pool"], table, n)  # (n, K, D)
+        qpos, kpos = torch.arange(n - (e - s), n)[:, None], torch.arange(n)[None, :]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        o = F.scaled_dot_product_attention(q[s:e].transpose(0, 1)[None], kc.transpose(0, 1)[None],
+                                           vc.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)
+        out.append(o[0].transpose(0, 1).reshape(e - s, -1))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+@pytest.mark.parametrize("bs", [1, 4, 16])
+def test_a_window_reads_only_its_keys_and_a_row_keeps_its_bits_in_any_batch(compiled, window, bs):
+    """A sliding layer's rows (decode rows, chunks crossing the window's edge, whole prompts) against the masked
+    reference; blocks wholly before a request's first window freed (-1), as the hybrid KV manager leaves them; a
+    row alone gives the bits it gives in the batch."""
+    lens, T = [1, 37, 300, 5, 129, 17, 200], [1, 1, 1, 5, 20, 3, 1]
+    case = ragged_case(lens, T, bs, H=8, K=1, D=32, seed=window + bs)
+    for r, (n, t) in enumerate(zip(lens, T)):
+        case["block_tables"][r, : max(0, n - t - window + 1) // bs] = -1
+    out = kernels.paged_attention(**case, window=window)
+    torch.testing.assert_close(out, windowed(case, window), atol=2e-6, rtol=1e-5)
+    qsl = case["query_start_loc"]
+    for r in (2, 4):
+        s, e = int(qsl[r]), int(qsl[r + 1])
+        alone = dict(case, q=case["q"][s:e], query_start_loc=torch.tensor([0, e - s]),
+                     seq_lens=case["seq_lens"][r:r + 1], block_tables=case["block_tables"][r:r + 1])
+        assert torch.equal(kernels.paged_attention(**alone, window=window), out[s:e])
+
+
+def test_a_window_wider_than_split_k_is_refused(compiled):
+    case = ragged_case([40], [1], 4)
+    with pytest.raises(RuntimeError, match="window: expected 0 .none. or 1..16 .split_keys. positions, got 17"):
+        kernels.paged_attention(**case, split_keys=16, window=17)
+    case["block_tables"][0, 0] = -1  # no window: every block is read
+    with pytest.raises(RuntimeError, match="request 0: block -1 is not in the pool"):
+        kernels.paged_attention(**case)
 
 
 @pytest.mark.parametrize("H, K, D", [(4, 4, 16), (9, 3, 64), (8, 1, 20)])

@@ -516,7 +516,10 @@ void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t head
 
 namespace {
 
-// SwiGLU's middle for rows begin..end-1: gate_up (n, 2I) -> silu(gate) * up (n, I).
+// A gated MLP's middle for rows begin..end-1: gate_up (n, 2I) -> act(gate) * up (n, I). SwiGLU's act is
+// silu(x) = x / (1 + e^-x); GeGLU's (Gemma) gelu's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715
+// x^3), which is x / (1 + e^(-2u)): the same loop with another exponent.
+template <bool GELU = false>
 void silu_mul_range(const float* gate_up, int64_t begin, int64_t end, int64_t I, float* out) {
   for (int64_t i = begin; i < end; ++i) {
     const float* gi = gate_up + i * 2 * I;
@@ -524,7 +527,12 @@ void silu_mul_range(const float* gate_up, int64_t begin, int64_t end, int64_t I,
     float* oi = out + i * I;
     for (int64_t c = 0; c < I; ++c) {
       const float x = gi[c];
-      oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
+      if constexpr (GELU) {
+        const float u2 = 1.5957691216f * (x + 0.044715f * (x * x * x));  // 2u
+        oi[c] = x / (1.0f + fast_exp(-u2)) * ui[c];
+      } else {
+        oi[c] = x / (1.0f + fast_exp(-x)) * ui[c];
+      }
     }
   }
 }
@@ -548,6 +556,20 @@ void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t*
       narrow_row(row.data(), I, out + i * I);
     }
   });
+}
+
+// GeGLU's middle: gate_up (..., 2I) float32 -> gelu_tanh(gate) * up (..., I).
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up");
+  const int64_t I2 = gate_up.size(-1), I = I2 / 2, N = gate_up.numel() / std::max<int64_t>(I2, 1);
+  TORCH_CHECK(I2 % 2 == 0, "gate_up: last dim ", I2, " is not even");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() = I;
+  auto out = torch::empty(sizes, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, silu_grain(I), [&](int64_t begin, int64_t end) { silu_mul_range<true>(g, begin, end, I, o); });
+  return out;
 }
 
 // SwiGLU's middle: gate_up (..., 2I) -> silu(gate) * up (..., I), in gate_up's dtype (float32 or bfloat16).
@@ -839,11 +861,14 @@ void split_decode(const std::vector<std::array<int64_t, 3>>& rows, const float* 
 // 0) is split-K (flash-decoding): its keys are cut into pieces of split_keys, and the pieces' softmax states
 // merged in order. A row's bits so depend on its query and its keys alone: never on the other rows of the step,
 // on how its prompt was cut into chunks, or on the thread count.
+// With window > 0 (a sliding layer's), the query at position p sees keys max(0, p - window + 1) .. p only, read the
+// same way; blocks wholly before a request's first query's window are not read (they may be freed: -1). A window
+// wider than split_keys is refused (its rows would need split-K from an offset).
 // q (N, H, D); k_pool/v_pool (blocks, block_size, K, D), float32 or bf16; query_start_loc (R+1,), seq_lens (R,),
 // block_tables (R, W): int64. Returns (N, H*D).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale, int64_t split_keys) {
+                              double scale, int64_t split_keys, int64_t window) {
   check_f32(q, "q");
   TORCH_CHECK(k_pool.device().is_cpu() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                   k_pool.scalar_type() == v_pool.scalar_type() &&
@@ -867,7 +892,7 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
                        k_pool.scalar_type() == torch::kBFloat16, N, H, D, NB, BS, K,
                        query_start_loc.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                        block_tables.data_ptr<int64_t>(), R, block_tables.size(1), scale, split_keys,
-                       out.data_ptr<float>());
+                       out.data_ptr<float>(), nullptr, window);
   return out;
 }
 
@@ -877,10 +902,16 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 void paged_attention_rows(const float* qd, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* qsl, const int64_t* lens,
                           const int64_t* tables, int64_t R, int64_t W, double scale, int64_t split_keys,
-                          float* od, Team* team) {
+                          float* od, Team* team, int64_t window) {
   const int64_t rep = H / K;
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
+  TORCH_CHECK(window >= 0 && (window == 0 || split_keys == 0 || window <= split_keys), "window: expected 0 (none) or ",
+              "1..", split_keys, " (split_keys) positions, got ", window);
+  // the first key query i of request r sees (its position lens[r] - T + i, less the window)
+  const auto low = [&](int64_t r, int64_t i) -> int64_t {
+    return window > 0 ? std::max<int64_t>(0, lens[r] - (qsl[r + 1] - qsl[r]) + i - window + 1) : 0;
+  };
   constexpr int64_t TILE = 16;  // queries of one request handled by one task (they share its keys in cache)
   std::vector<std::array<int64_t, 3>> tiles;  // (request, first query, end query): rows of at most split_keys keys
   std::vector<std::array<int64_t, 3>> split;  // rows of more, their keys read in pieces: (request, q row, keys)
@@ -889,11 +920,12 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
     TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
     TORCH_CHECK(lens[r] >= T && lens[r] <= W * BS, "request ", r, ": sequence length ", lens[r], " outside ", T,
                 "..", W * BS, " (its ", T, " queries; its table's ", W, " blocks of ", BS, ")");
-    for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
+    for (int64_t b = low(r, 0) / BS; b < (lens[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
                   " is not in the pool of ", NB);
     // query i sees lens[r] - T + i + 1 keys: the first `whole` see at most split_keys (all, with split_keys 0)
-    const int64_t whole = split_keys > 0 ? std::clamp<int64_t>(split_keys - (lens[r] - T), 0, T) : T;
+    // (with a window, every query sees at most window <= split_keys keys)
+    const int64_t whole = split_keys > 0 && window == 0 ? std::clamp<int64_t>(split_keys - (lens[r] - T), 0, T) : T;
     for (int64_t i = 0; i < whole; i += TILE) tiles.push_back({r, i, std::min(whole, i + TILE)});
     for (int64_t i = whole; i < T; ++i) split.push_back({r, qsl[r] + i, lens[r] - T + i + 1});
   }
@@ -920,14 +952,16 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
       const int64_t g0 = per_head ? task % K : 0, heads = (per_head ? 1 : K) * rep, h_first = g0 * rep;
       const int64_t* table = tables + r * W;
       const int64_t first = lens[r] - (qsl[r + 1] - qsl[r]);  // keys before the request's first query
-      sc.at.resize(first + i1);                                // the keys the tile's last query sees
-      key_slots(table, 0, first + i1, BS, K * D, sc.at.data());
-      sc.scores.resize(heads * (first + i1));
+      const int64_t l0 = low(r, i0);                           // the first key the tile's first query sees
+      sc.at.resize(first + i1 - l0);                           // to the last key its last query sees
+      key_slots(table, l0, first + i1 - l0, BS, K * D, sc.at.data());
+      sc.scores.resize(heads * (first + i1 - l0));
       for (int64_t i = i0; i < i1; ++i) {  // each query over its own keys, key by key, each slot read once
-        const int64_t row = qsl[r] + i, n = first + i + 1;
-        decode_scores(qd + (row * H + h_first) * D, kd, vd, sc.at.data(), n, heads, h_first, rep, D, fscale,
+        const int64_t row = qsl[r] + i, lo = low(r, i), n = first + i + 1 - lo;
+        const int64_t* at = sc.at.data() + (lo - l0);
+        decode_scores(qd + (row * H + h_first) * D, kd, vd, at, n, heads, h_first, rep, D, fscale,
                       sc.scores.data(), i == i0);
-        value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, sc.at.data(), od + (row * H + h_first) * D);
+        value_sums(sc.scores.data(), n, n, heads, h_first, rep, D, vd, at, od + (row * H + h_first) * D);
       }
     };
     for_each_task<Scratch>(team, per_head ? n_tiles * K : n_tiles, tile_task);

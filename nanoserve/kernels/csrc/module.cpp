@@ -11,6 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, rms_norm(x + residual) * weight)");
   m.def("rope_", &rope_, "rotate the first heads of qkv in place (then, if asked, round it to bf16)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("gelu_tanh_mul", &gelu_tanh_mul, "gelu_tanh(gate) * up");
   m.def("paged_attention", &paged_attention, nogil,
         "each query row over its request's paged keys (split-K past split_keys)");
   m.def("prompt_attention_bf16", &prompt_attention_bf16, nogil, "a whole prompt's causal attention, bf16 products");

@@ -34,13 +34,14 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
                                                       torch::Tensor weight, double eps, bool h_bf16);
 void rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t heads, bool round_bf16);
 torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor gelu_tanh_mul(torch::Tensor gate_up);
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool,
                               torch::Tensor query_start_loc, torch::Tensor seq_lens, torch::Tensor block_tables,
-                              double scale, int64_t split_keys);
+                              double scale, int64_t split_keys, int64_t window);
 void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* query_start_loc,
                           const int64_t* seq_lens, const int64_t* block_tables, int64_t R, int64_t W, double scale,
-                          int64_t split_keys, float* out, Team* team = nullptr);
+                          int64_t split_keys, float* out, Team* team = nullptr, int64_t window = 0);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t K, std::string fmt, std::string road);
 std::vector<std::tuple<std::string, std::string, int64_t, int64_t>> block_kernels();
