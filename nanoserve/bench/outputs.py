@@ -9,7 +9,7 @@ import statistics
 from collections.abc import Sequence
 
 from ..engine import LLMEngine
-from ..model import Llama
+from ..model.base import DecoderLM
 from ..sampling import SamplingParams
 from ..structured import StructuredOutputsParams
 from ..tokenizer import Tokenizer
@@ -36,7 +36,7 @@ def params_for(mode: str, i: int, steps: int) -> SamplingParams:
     return SamplingParams(**base)
 
 
-def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int,
+def decode_steps(model: DecoderLM, tok: Tokenizer, prompts: Sequence[list[int]], mode: str, steps: int,
                  ) -> tuple[float, float]:
     """One engine, every prompt at once; its median decode step and that step's part after the forward (s)."""
     engine = LLMEngine(model, tok, max_num_seqs=len(prompts), max_num_batched_tokens=sum(map(len, prompts)) + 64)
@@ -44,14 +44,20 @@ def decode_steps(model: Llama, tok: Tokenizer, prompts: Sequence[list[int]], mod
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    common_arguments(ap, "data/bench-outputs.csv", batch_sizes=[1, 32], prompt_tokens=64, steps=24, rounds=3)
+    common_arguments(ap, "data/bench-outputs.csv", weights="fp32", batch_sizes=[1, 32], prompt_tokens=64, steps=24,
+                     rounds=3)
+
+
+def ask(tok: Tokenizer, text: str) -> list[int]:
+    """The request: a chat turn where the model has a chat template, else (a base model) the instruction as text."""
+    ask = f"Give this a title and retell it, as JSON: {text}"
+    return tok.encode_chat([{"role": "user", "content": ask}]) if tok.chat_template else tok.encode(ask)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     model, tok = start(args)
     text = [tok.decode(prose(tok, args.prompt_tokens, offset=7 * i)) for i in range(max(args.batch_sizes))]
-    chat = [tok.encode_chat([{"role": "user", "content": f"Give this a title and retell it, as JSON: {t}"}])
-            for t in text]
+    chat = [ask(tok, t) for t in text]
     decode_steps(model, tok, chat[:2], "json", 2)  # warm up: the grammar library, the kernels
     times = rounds({(b, mode): lambda b=b, mode=mode: decode_steps(model, tok, chat[:b], mode, args.steps)
                     for b in args.batch_sizes for mode in MODES}, args.rounds)  # per round (step, after forward)
@@ -61,7 +67,9 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         rows.append(dict(batch=b, mode=mode, step_ms=statistics.median(s for s, _ in per_round) * 1e3,
                          after_forward_ms=statistics.median(a for _, a in per_round) * 1e3,
                          vs_plain=statistics.median(s / p for (s, _), (p, _) in zip(per_round, plain))))
-    meta = csv_header(argv, steps=args.steps, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
+    meta = csv_header(argv, model=f"{model.cfg.architecture}, vocabulary {model.cfg.vocab_size}, "
+                      f"{model.matrix_dtype}, activations {model.activations}", steps=args.steps,
+                      rounds=args.rounds, prompt_tokens=args.prompt_tokens,
                       schema="a title and 400-2000 characters of text")
     write_csv(args.out, rows, meta)
     return report(args.out, meta, rows)
