@@ -235,11 +235,11 @@ class Gemma3(DecoderLM):
         cfg = self.cfg
         C, D, I, H, K = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.n_heads, cfg.n_kv_heads  # noqa: E741
         set_weight(self, "embed", t.matrix(["token_embd.weight"], (cfg.vocab_size, C), "token_embd"))
-        self.norm.copy_(t.vector("output_norm.weight") - 1)
+        self.norm.copy_(norm_from_gguf(t.vector("output_norm.weight")))
         for i, blk in enumerate(self.layers):
             p = f"blk.{i}."
             for attr, name in _GGUF_NORMS.items():
-                getattr(blk, attr).copy_(t.vector(p + name + ".weight") - 1)
+                getattr(blk, attr).copy_(norm_from_gguf(t.vector(p + name + ".weight")))
             set_weight(blk, "wqkv", t.matrix([p + f"attn_{n}.weight" for n in "qkv"], ((H + 2 * K) * D, C),
                                              p + "attn_qkv"))
             set_weight(blk, "wo", t.matrix([p + "attn_output.weight"], (C, H * D), p + "attn_output"))
@@ -301,15 +301,19 @@ def gguf_config(reader) -> ModelConfig:
     )
 
 
+def norm_from_gguf(w: Tensor) -> Tensor:
+    """A norm weight as transformers holds it: llama.cpp's converter stored 1 + w, the scale the norm multiplies by."""
+    return w - 1.0
+
+
 def gguf_state_dict(reader, cfg: ModelConfig) -> dict[str, Tensor]:
     """Every tensor dequantized to fp32 under transformers' name; llama.cpp's 1 + w norms back to w."""
     sd = {}
     for gguf_name, _, name, w in hf_tensors(reader, _GGUF_TO_HF):
         if name is None or name == "lm_head.weight":
             raise ValueError(f"tensor {gguf_name!r} is not one a Gemma 3 GGUF has")
-        if name.endswith("norm.weight"):
-            w = w - np.float32(1.0)  # llama.cpp's converter stored 1 + w, the scale the norm multiplies by
-        sd[name] = torch.from_numpy(np.array(w, order="C"))  # a writable copy: the reader's arrays are read-only
+        w = torch.from_numpy(np.array(w, order="C"))  # a writable copy: the reader's arrays are read-only
+        sd[name] = norm_from_gguf(w) if name.endswith("norm.weight") else w
     return sd
 
 
