@@ -104,7 +104,7 @@ class PagedAttention:
         self.scratch = self.scratches[0]
 
     supports_sliding_window = True  # a sliding layer's queries read their window's keys: the compiled kernel's
-    # window where it runs (fp32 pool, window <= SPLIT_KEYS), else `torch_ops.window_attend`
+    # window where it runs (window <= SPLIT_KEYS), else `torch_ops.window_attend`
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, window: int | None = None) -> Tensor:
         B, T, H, D = q.shape
@@ -115,8 +115,8 @@ class PagedAttention:
         n = md.num_tokens  # real tokens come first: padding rows are never written
         self.storage.write(layer, md.slot_mapping, k[:n], v[:n])
         k_pool, v_pool = self.storage.layer(layer)
-        if window is not None and self.impl == "compiled" and k_pool.dtype == torch.float32 \
-                and window <= kernels.SPLIT_KEYS:  # the kernel reads each row's window where it lies
+        if window is not None and self.impl == "compiled" and window <= kernels.SPLIT_KEYS:
+            # the kernel reads each row's window where it lies (a bf16 pool's numbers widened, exactly)
             out = kernels.paged_attention(q, k_pool, v_pool, md.query_start_loc, md.seq_lens, md.block_tables,
                                           D ** -0.5, window=window).view(B * T, H * D)
         elif window is not None:

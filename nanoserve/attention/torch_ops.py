@@ -153,6 +153,8 @@ def window_attend(q: Tensor, k_pool: Tensor, v_pool: Tensor, md: AttentionMetada
     q (N, H, D); pools (blocks, bs, K, D) -> (N, H*D)."""
     N, H, D = q.shape
     K = k_pool.shape[-2]
+    if k_pool.dtype != q.dtype:  # a bf16 cache read by fp32 queries: its numbers widened (a copy of the pool)
+        k_pool, v_pool = k_pool.to(q.dtype), v_pool.to(q.dtype)
     key = ("window", window)
     if key not in scratch:
         scratch[key] = window_layout(md, window, K, H // K, q.dtype)

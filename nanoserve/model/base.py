@@ -8,6 +8,7 @@ matrices `wqkv`, `wo`, `w_gate_up` and `w_down`; the model holds `layers` and `l
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, tiled
@@ -61,6 +62,21 @@ class DecoderLM(nn.Module):
         def alone(w: Tensor | BlockWeight | RowGroups) -> bool:
             return isinstance(w, BlockWeight | RowGroups) or tiled(w) is not None
         return bool(compiled) and all(map(alone, self.matrices()))
+
+    def round_kv(self, dtype: torch.dtype) -> DecoderLM:
+        """Hold the K/V cache in `dtype` (bf16; fp32 undoes it): q, k and v rounded to its numbers after RoPE, on
+        every road, everything else as it was. Half the bytes per cached token, which every decode step reads
+        once per layer: the larger part of a long context's step on the blocks. In place."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"a K/V cache holds float32 or bfloat16, not {dtype}")
+        for blk in self.layers:
+            blk.kv_dtype = None if dtype == self.dtype else dtype
+        return self
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype a cache holds this model's K/V in: its forward's, or the matrices' after `cast_matrices`."""
+        return self.layers[0].kv_dtype or self.dtype
 
     def num_parameters(self) -> int:
         """Weights, whatever holds them (tied weights are counted once)."""

@@ -81,6 +81,7 @@ class Gemma3Block(nn.Module):
         self.wo = linear_weight(C, H * D)
         self.w_gate_up = linear_weight(2 * cfg.intermediate_size, C)
         self.w_down = linear_weight(C, cfg.intermediate_size)
+        self.kv_dtype: torch.dtype | None = None  # K/V rounded to this before attention (None: kept as computed)
         # SDPA scales by D^-0.5; q is pre-scaled when the config asks for another scale (Gemma 3 270M: none)
         self.q_scale = None if cfg.query_pre_attn_scalar in (None, D) else math.sqrt(D / cfg.query_pre_attn_scalar)
 
@@ -110,7 +111,8 @@ class Gemma3Block(nn.Module):
         q, k, v = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
         q = add_rms_norm(q.contiguous(), None, s_q, eps, c)[1]  # QK-norm, each head's D numbers
         k = add_rms_norm(k.contiguous(), None, s_k, eps, c)[1]
-        q, k, v = rope_qk(torch.cat([q, k, v], dim=2), cos, sin, H, K, c)  # (B, T, H, D), (B, T, K, D) x 2
+        # (B, T, H, D), (B, T, K, D) x 2; with a bf16 cache (`round_kv`), its numbers, q's too, on every road
+        q, k, v = rope_qk(torch.cat([q, k, v], dim=2), cos, sin, H, K, c, self.kv_dtype)
         if self.q_scale is not None:
             q = q * self.q_scale
         out = attend(kv, layer, q, k, v, self.window, seen)  # (B, T, H*D)
@@ -146,7 +148,6 @@ class Gemma3(DecoderLM):
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
 
-    kv_dtype = dtype
 
     def hidden_states(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
                       compiled: bool | None = None) -> Tensor:
