@@ -50,8 +50,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def ask(tok: Tokenizer, text: str) -> list[int]:
     """The request: a chat turn where the model has a chat template, else (a base model) the instruction as text."""
-    ask = f"Give this a title and retell it, as JSON: {text}"
-    return tok.encode_chat([{"role": "user", "content": ask}]) if tok.chat_template else tok.encode(ask)
+    request = f"Give this a title and retell it, as JSON: {text}"
+    return tok.encode_chat([{"role": "user", "content": request}]) if tok.chat_template else tok.encode(request)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
