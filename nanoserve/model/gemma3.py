@@ -1,4 +1,5 @@
-"""Gemma 3, the second family, on torch's ops (Day 43): what changes from Llama, in one file.
+"""Gemma 3, the second family (Day 43): what changes from Llama, in one file, on Llama's step forms (`model.ops`:
+the compiled kernels where the caller asks, torch's ops otherwise).
 
 Token ids -> embeddings scaled by sqrt(hidden) -> n_layers x (norm, attention, norm, + residual; norm, GeGLU
 MLP, norm, + residual) -> norm -> the tied head. Beside Llama's layer:
@@ -30,12 +31,7 @@ from ..config import ModelConfig
 from .base import DecoderLM, set_weight
 from .gguf_file import gguf_field, hf_tensors
 from .matmul import embedding, linear, linear_weight
-from .ops import add_rms_norm, gelu_tanh_mul, rms_norm, rope_cos_sin, rope_frequencies, rope_qk
-
-
-def gemma_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 (a weight of zeros is the identity scale)."""
-    return rms_norm(x, 1.0 + weight, eps)
+from .ops import add_rms_norm, gelu_tanh_mul, rope_cos_sin, rope_frequencies, rope_qk
 
 
 def one_plus(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
@@ -125,7 +121,7 @@ class Gemma3Block(nn.Module):
 
 class Gemma3(DecoderLM):
     """Token ids and their positions in, next-token logits out: Llama's interface (`forward`, `hidden_states`,
-    `logits`), so the no-cache road and the contiguous cache run it unchanged. Torch ops, fp32."""
+    `logits`), so the no-cache road and the contiguous cache run it unchanged. fp32."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
