@@ -39,7 +39,7 @@ def one_plus(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
     them in place: their version moves) or moves: what the step's norms multiply by, without an add each call.
     An inference tensor keeps no version: one written in place where it lies keeps its old (1 + w)."""
     ws = [getattr(module, n) for n in names]
-    key = tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in ws)
+    key = (names, tuple((w.data_ptr(), None if w.is_inference() else w._version) for w in ws))  # one kept list
     kept = module.__dict__.get("_one_plus")
     if kept is None or kept[0] != key:
         with torch.no_grad():
@@ -143,7 +143,6 @@ class Gemma3(DecoderLM):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
-
 
     def hidden_states(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
                       compiled: bool | None = None) -> Tensor:
