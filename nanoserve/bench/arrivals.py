@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -146,12 +147,30 @@ def replay_server(port: int, w: Workload, arrivals: Sequence[float], rate: float
     return Replay(system, rate, [t for t, _ in results], [ids for _, ids in results])
 
 
+def slot_tokens(w: Workload) -> int:
+    """The context each llama-server slot gets: the workload's longest request, prompt and output."""
+    return max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
+
+
+def peer_runs(systems: Sequence[str], slots: Sequence[int] | None) -> list[tuple[str, str, int | None]]:
+    """(system, its label in the CSV, llama-server's slots) for each run: llama-server once per slot count, each
+    labelled `llama-server -np N` where several are swept."""
+    runs: list[tuple[str, str, int | None]] = []
+    for system in systems:
+        if system == "llama-server" and slots and len(slots) > 1:
+            runs += [(system, f"llama-server -np {n}", n) for n in slots]
+        else:
+            runs.append((system, system, slots[0] if system == "llama-server" and slots else None))
+    return runs
+
+
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             server_options: Sequence[str] = (), threads: int | None = None, folder: Path | None = None,
-            ) -> Iterator[Callable[..., Replay]]:
+            slots: int | None = None) -> Iterator[Callable[..., Replay]]:
     """One system stood up and warm, as `replay(workload, arrivals, rate)`; `folder`: the checkpoint the peers
-    load (its GGUF for llama-server; default: the fetched SmolLM2)."""
+    load (its GGUF for llama-server; default: the fetched SmolLM2); `slots`: llama-server's (default: a slot per
+    sequence the engine runs at once)."""
     folder = folder or ensure_model()
     warm = Workload("warm", w.prompts[:2], [2, 2])
     if system == "nanoserve-engine":
@@ -163,10 +182,10 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             yield lambda w, arrivals, rate: replay_hf_continuous(manager, w, arrivals, rate)
     else:
         port, command = free_port(), None
-        if system == "llama-server":  # a slot per sequence the engine runs at once, each fitting the longest request
-            slot = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
-            command = llama_server_argv(llama_server_path(), gguf_of(folder), port,
-                                        config.scheduler.max_num_seqs, slot, threads or os.cpu_count() or 1)
+        if system == "llama-server":  # its slots, each fitting the longest request
+            parallel = slots or config.scheduler.max_num_seqs
+            command = llama_server_argv(llama_server_path(), gguf_of(folder), port, parallel, slot_tokens(w),
+                                        threads or os.cpu_count() or 1)
         elif system == "transformers-serve":  # its continuous batching, the model preloaded
             command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
                        "--host", "127.0.0.1", "--port", str(port), str(folder)]
@@ -235,6 +254,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
+    ap.add_argument("--llama-server-slots", type=int, nargs="+", default=None, metavar="N",
+                    help="llama-server's --parallel, one run per value (default: --max-num-seqs)")
     common_arguments(ap, CSV_PATH, engine=True, rates=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], requests=40, seed=0,
                      weights="fp32")
 
@@ -258,19 +279,23 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                  kv_cache_dtype=args.kv_cache_dtype)
     if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
         extra["transformers"] = importlib.metadata.version("transformers")
-    if "llama-server" in systems:
+    if "llama-server" in systems:  # the peer's release and how it was run
         extra["llama_server"] = llama_server_version(llama_server_path())
+        extra["llama_server_args"] = dict(parallel=args.llama_server_slots or [config.scheduler.max_num_seqs],
+                                          ctx_size_per_slot=slot_tokens(w), cont_batching=True,
+                                          threads=args.threads or os.cpu_count() or 1)
     meta = csv_header(argv, **extra)
     server_options = engine_argv(args) + loader.cli_argv(args) + (["--threads", str(args.threads)]
                                                                   if args.threads else [])
     replays: list[Replay] = []
-    for system in systems:
+    for system, label, slots in peer_runs(systems, args.llama_server_slots):
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
-        print(f"{system} ...", flush=True)
-        with serving(system, model, tok, config, w, server_options, args.threads, model_folder(args.model)) as replay:
+        print(f"{label} ...", flush=True)
+        with serving(system, model, tok, config, w, server_options, args.threads, model_folder(args.model),
+                     slots) as replay:
             for rate, trace in traces.items():
-                replays.append(replay(w, trace, rate))
+                replays.append(dataclasses.replace(replay(w, trace, rate), system=label))
                 m = serving_metrics(replays[-1].timings, slo)
                 print(f"  rate {rate:g}: {m.request_throughput:.2f} req/s, goodput {m.goodput:.2f}, TTFT p50 "
                       f"{m.ttft['p50']:.2f} s, TPOT p50 {m.tpot['p50'] * 1e3:.0f} ms", flush=True)

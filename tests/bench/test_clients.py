@@ -62,6 +62,37 @@ def test_a_peer_server_is_fresh_for_each_replay_so_no_rate_hits_anothers_prompt_
     assert [x.prompts for x in sent if x.name == "warm"] == [[[4, 3, 2, 1], [7, 6, 5]]] * starts  # no shared prefix
 
 
+def test_llama_server_runs_once_per_slot_count_each_under_its_own_label(tmp_path, monkeypatch):
+    from nanoserve.bench.harness import Workload
+
+    assert arrivals.peer_runs(["nanoserve-server", "llama-server"], None) == [
+        ("nanoserve-server", "nanoserve-server", None), ("llama-server", "llama-server", None)]
+    assert arrivals.peer_runs(["llama-server"], [16]) == [("llama-server", "llama-server", 16)]
+    assert arrivals.peer_runs(["nanoserve-server", "llama-server"], [4, 32]) == [
+        ("nanoserve-server", "nanoserve-server", None), ("llama-server", "llama-server -np 4", 4),
+        ("llama-server", "llama-server -np 32", 32)]
+    commands = []
+
+    class Proc:
+        def terminate(self):
+            pass
+
+        def wait(self, timeout):
+            pass
+
+    monkeypatch.setattr(arrivals, "start_server",
+                        lambda port, extra=(), command=None: commands.append(command) or Proc())
+    monkeypatch.setattr(arrivals, "replay_server", lambda *a, **k: None)
+    monkeypatch.setattr(arrivals, "llama_server_path", lambda: tmp_path / "llama-server")
+    monkeypatch.setattr(arrivals, "gguf_of", lambda folder: folder / "m.gguf")
+    w = Workload("w", [[1, 2, 3, 4], [5, 6, 7]], [2, 9])
+    for slots, want in ((None, "32"), (8, "8")):
+        with arrivals.serving("llama-server", None, None, arrivals.EngineConfig(), w, folder=tmp_path, slots=slots):
+            pass
+        flags = dict(zip(commands[-1], commands[-1][1:]))
+        assert flags["--parallel"] == want and flags["--ctx-size"] == str(int(want) * 12)  # 3 + 9: the longest
+
+
 def test_bench_arrivals_skips_llama_server_where_it_is_not_built(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("NANOSERVE_HOME", str(tmp_path))
     assert llama_server_path() is None
