@@ -152,6 +152,11 @@ def slot_tokens(w: Workload) -> int:
     return max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
 
 
+def peer_threads(threads: int | None) -> int:
+    """The threads a peer server is given: the engine's (`--threads`), else every core."""
+    return threads or os.cpu_count() or 1
+
+
 def peer_runs(systems: Sequence[str], slots: Sequence[int] | None) -> list[tuple[str, str, int | None]]:
     """(system, its label in the CSV, llama-server's slots) for each run: llama-server once per slot count, each
     labelled `llama-server -np N` where several are swept."""
@@ -185,7 +190,7 @@ def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
         if system == "llama-server":  # its slots, each fitting the longest request
             parallel = slots or config.scheduler.max_num_seqs
             command = llama_server_argv(llama_server_path(), gguf_of(folder), port, parallel, slot_tokens(w),
-                                        threads or os.cpu_count() or 1)
+                                        peer_threads(threads))
         elif system == "transformers-serve":  # its continuous batching, the model preloaded
             command = [str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
                        "--host", "127.0.0.1", "--port", str(port), str(folder)]
@@ -279,21 +284,21 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                  kv_cache_dtype=args.kv_cache_dtype)
     if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
         extra["transformers"] = importlib.metadata.version("transformers")
+    slots = args.llama_server_slots or [config.scheduler.max_num_seqs]  # llama-server's, one run each
     if "llama-server" in systems:  # the peer's release and how it was run
         extra["llama_server"] = llama_server_version(llama_server_path())
-        extra["llama_server_args"] = dict(parallel=args.llama_server_slots or [config.scheduler.max_num_seqs],
-                                          ctx_size_per_slot=slot_tokens(w), cont_batching=True,
-                                          threads=args.threads or os.cpu_count() or 1)
+        extra["llama_server_args"] = dict(parallel=slots, ctx_size_per_slot=slot_tokens(w), cont_batching=True,
+                                          threads=peer_threads(args.threads))
     meta = csv_header(argv, **extra)
     server_options = engine_argv(args) + loader.cli_argv(args) + (["--threads", str(args.threads)]
                                                                   if args.threads else [])
     replays: list[Replay] = []
-    for system, label, slots in peer_runs(systems, args.llama_server_slots):
+    for system, label, parallel in peer_runs(systems, slots):
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
         print(f"{label} ...", flush=True)
         with serving(system, model, tok, config, w, server_options, args.threads, model_folder(args.model),
-                     slots) as replay:
+                     parallel) as replay:
             for rate, trace in traces.items():
                 replays.append(dataclasses.replace(replay(w, trace, rate), system=label))
                 m = serving_metrics(replays[-1].timings, slo)
