@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -314,10 +315,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # tokens one step computes: decode tokens and prompt chunks together
     chunked_prefill: bool = True  # a prompt larger than the budget left is split across steps
     num_scheduler_steps: int = 1  # forwards one step may run while every running request decodes greedily
+    tpot_slo_ms: float | None = None  # while requests decode, steps sized to take at most this (`engine.step_cost`)
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_scheduler_steps"):
             _positive_int("SchedulerConfig", name, getattr(self, name))
+        t = self.tpot_slo_ms
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < math.inf):
+            raise ValueError(f"SchedulerConfig.tpot_slo_ms={t!r} must be a positive number of milliseconds, or None")
 
 
 @dataclass
@@ -373,7 +378,7 @@ class EngineConfig:
                 "enable_prefix_caching": ("cache", "prefix_caching"), "disable_hybrid_kv_cache_manager": "cache",
                 "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
-                "num_scheduler_steps": "scheduler",
+                "num_scheduler_steps": "scheduler", "tpot_slo_ms": "scheduler",
                 "speculative_config": "speculative", "batch_invariant": "", "kernels": "", "threads": ""}
 
     def __post_init__(self) -> None:
@@ -414,6 +419,9 @@ class EngineConfig:
                         help="prompt-lookup speculative decoding with this many draft tokens (0: off)")
         ap.add_argument("--num-scheduler-steps", type=int, default=s.num_scheduler_steps,
                         help="decode forwards one step runs while every running request decodes greedily")
+        ap.add_argument("--tpot-slo-ms", type=float, default=s.tpot_slo_ms, metavar="MS",
+                        help="while requests decode, size each step's prompt chunks from the measured step cost so "
+                             "that a step takes at most MS (default: off, every step takes the full budget)")
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
@@ -422,4 +430,5 @@ class EngineConfig:
         return cls.from_kwargs(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                block_size=args.block_size, kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
                                enable_prefix_caching=not args.no_prefix_caching, speculative_config=spec,
-                               num_scheduler_steps=getattr(args, "num_scheduler_steps", 1))
+                               num_scheduler_steps=getattr(args, "num_scheduler_steps", 1),
+                               tpot_slo_ms=getattr(args, "tpot_slo_ms", None))

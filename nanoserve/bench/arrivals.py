@@ -1,6 +1,8 @@
-"""`python -m nanoserve bench arrivals`: `bench engine`'s ragged workload on a gamma/Poisson trace at each of
-`--rates`, replayed on the wall clock by each of SYSTEMS; a request's clock starts at its scheduled arrival, so a
-system late to admit it pays in TTFT. A CSV row per (system, rate) (`--out`), and one per request beside it."""
+"""`python -m nanoserve bench arrivals`: `bench engine`'s ragged workload (or `--workload prompt-heavy`) on a
+gamma/Poisson trace at each of `--rates`, replayed on the wall clock by each of SYSTEMS; a request's clock starts at
+its scheduled arrival, so a system late to admit it pays in TTFT. `--slo-budget both` runs nanoserve with and without
+a TPOT target equal to the SLO's (`serve --tpot-slo-ms`). A CSV row per (system, rate) (`--out`), and one per
+request beside it."""
 
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ from ..model.fetch import ensure_model, gguf_of, model_folder
 from . import csvio
 from .clients import free_port, llama_server_argv, llama_server_path, llama_server_version, start_server
 from .command import common_arguments, csv_header, engine_argv, engine_config, report, start
-from .harness import Workload, greedy, load_hf_model, ragged_workload, run_requests
+from .harness import Workload, greedy, load_hf_model, prompt_heavy_workload, ragged_workload, run_requests
 from .serving import SLO, arrival_times, serving_metrics
 from .timing import RequestTiming
 
 CSV_PATH = "data/bench-arrivals.csv"
 SYSTEMS = ("nanoserve-engine", "nanoserve-server", "transformers-cb", "transformers-serve", "llama-server")
+WORKLOADS = {"ragged": ragged_workload, "prompt-heavy": prompt_heavy_workload}
 
 
 @dataclass
@@ -169,6 +172,21 @@ def peer_runs(systems: Sequence[str], slots: Sequence[int] | None) -> list[tuple
     return runs
 
 
+def budget_runs(system: str, label: str, config: EngineConfig, options: Sequence[str], budget: str, slo: SLO,
+                ) -> list[tuple[str, EngineConfig, list[str]]]:
+    """(label, engine config, `serve` options) for each run of a nanoserve system under `--slo-budget`: "off" as
+    configured, "on" with a TPOT target equal to the SLO's, "both" one of each (the second labelled `... slo-budget`).
+    A peer runs once, as it is."""
+    if not system.startswith("nanoserve") or budget == "off":
+        return [(label, config, list(options))]
+    plain = [o for i, o in enumerate(options) if o != "--tpot-slo-ms" and (i == 0 or options[i - 1] != "--tpot-slo-ms")]
+    target = slo.tpot_s * 1e3
+    on = (f"{label} slo-budget", dataclasses.replace(config, scheduler=dataclasses.replace(
+        config.scheduler, tpot_slo_ms=target)), plain + ["--tpot-slo-ms", f"{target:g}"])
+    off = (label, dataclasses.replace(config, scheduler=dataclasses.replace(config.scheduler, tpot_slo_ms=None)), plain)
+    return [off, on] if budget == "both" else [on]
+
+
 @contextmanager
 def serving(system: str, model: Llama, tok, config: EngineConfig, w: Workload,
             server_options: Sequence[str] = (), threads: int | None = None, folder: Path | None = None,
@@ -259,6 +277,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["nanoserve-engine", "transformers-cb"])
     ap.add_argument("--slo-ttft", type=float, default=SLO.ttft_s, help="seconds")
     ap.add_argument("--slo-tpot", type=float, default=SLO.tpot_s, help="seconds")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="ragged",
+                    help="ragged: prompts 20-300 tokens, outputs 8-128; prompt-heavy: prompts 100-300, outputs 30-100")
+    ap.add_argument("--slo-budget", choices=("off", "on", "both"), default="off",
+                    help="nanoserve with a TPOT target equal to --slo-tpot (on), without (off), or one run of each")
     ap.add_argument("--llama-server-slots", type=int, nargs="+", default=None, metavar="N",
                     help="llama-server's --parallel, one run per value (default: --max-num-seqs)")
     common_arguments(ap, CSV_PATH, engine=True, rates=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], requests=40, seed=0,
@@ -275,11 +297,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return 0
     model, tok = start(args)
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
-    w = ragged_workload(tok, args.requests, seed=args.seed)
+    w = WORKLOADS[args.workload](tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
-    extra = dict(slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), requests=args.requests, burstiness=args.burstiness,
-                 scheduler=dict(max_num_seqs=config.scheduler.max_num_seqs,
-                                max_num_batched_tokens=config.scheduler.max_num_batched_tokens),
+    extra = dict(slo=dict(ttft_s=slo.ttft_s, tpot_s=slo.tpot_s), workload=w.name, requests=args.requests,
+                 burstiness=args.burstiness, scheduler=dict(max_num_seqs=config.scheduler.max_num_seqs,
+                                                            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+                                                            tpot_slo_ms=config.scheduler.tpot_slo_ms),
+                 slo_budget=args.slo_budget,
                  weights=args.weights, dtype=args.dtype, activations=args.activations,
                  kv_cache_dtype=args.kv_cache_dtype)
     if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
@@ -293,11 +317,13 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     server_options = engine_argv(args) + loader.cli_argv(args) + (["--threads", str(args.threads)]
                                                                   if args.threads else [])
     replays: list[Replay] = []
-    for system, label, parallel in peer_runs(systems, slots):
+    runs = [(system, run, parallel) for system, label, parallel in peer_runs(systems, slots)
+            for run in budget_runs(system, label, config, server_options, args.slo_budget, slo)]
+    for system, (label, run_config, run_options), parallel in runs:
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
         print(f"{label} ...", flush=True)
-        with serving(system, model, tok, config, w, server_options, args.threads, model_folder(args.model),
+        with serving(system, model, tok, run_config, w, run_options, args.threads, model_folder(args.model),
                      parallel) as replay:
             for rate, trace in traces.items():
                 replays.append(dataclasses.replace(replay(w, trace, rate), system=label))

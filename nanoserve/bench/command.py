@@ -81,6 +81,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     out: list[str] = []
     for action in ap._actions:
         flag, value = action.option_strings[0], getattr(args, action.dest)
+        if value is None:  # an option left off (its default is off)
+            continue
         out += ([flag] if value else []) if action.nargs == 0 else [flag, str(value)]  # a switch, or an option
     return out
 

@@ -78,6 +78,12 @@ def ragged_workload(tok: Tokenizer, n: int = 32, prompt_range: tuple[int, int] =
     return Workload("ragged", prompts, [rng.randint(*output_range) for _ in range(n)])
 
 
+def prompt_heavy_workload(tok: Tokenizer, n: int = 32, seed: int = 0) -> Workload:
+    """n requests whose prompts (100-300 tokens) outweigh their outputs (30-100): chat with context, RAG, summaries.
+    Prefill dominates the work, so it is the load that tests a step's compute and a TPOT target."""
+    return replace(ragged_workload(tok, n, (100, 300), (30, 100), seed), name="prompt-heavy")
+
+
 def uniform_workload(tok: Tokenizer, n: int = 32, prompt_tokens: int = 160, max_tokens: int = 68,
                      seed: int = 0) -> Workload:
     """n requests of one prompt and output length: static batching wastes nothing on them."""

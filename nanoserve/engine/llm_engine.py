@@ -262,6 +262,8 @@ class LLMEngine:
             if self.config.speculative is not None:
                 self._draft()
         t3 = self.clock()
+        if plan.chunks and plan.num_steps == 1:  # the scheduler's measure of what a step of so many tokens costs
+            self.scheduler.step_cost.observe(plan.num_tokens, t3 - t0)
         self.history.append(StepRecord(
             self.steps, len(plan.chunks), plan.num_decode_tokens, plan.num_tokens - plan.num_decode_tokens,
             len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep, t3 - t2,

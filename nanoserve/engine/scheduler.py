@@ -14,6 +14,11 @@ Each step, in vLLM V1's order:
    At admission the prefix cache is asked first: full blocks already computed for the same tokens
    are shared, not recomputed. A preempted request goes back to the head of the queue.
 
+With a TPOT target (`SchedulerConfig.tpot_slo_ms`, Sarathi-Serve's idea) the budget shrinks while any
+running request decodes: to the tokens a step can carry within the target by the engine's measured
+step cost (`StepCost`), never below those decodes and `MIN_PREFILL_TOKENS` of prompt, so prompts still
+move. Long prompts then arrive in smaller chunks and the decodes beside them keep their pace.
+
 A running request that has speculative drafts (`Request.spec_token_ids`) gets them too, budget and
 blocks permitting: 1 + k tokens, all verified in the one forward.
 
@@ -36,6 +41,9 @@ from ..kv.hybrid import HybridBlockManager
 from ..sampling import INVALID
 from .outputs import StepOutput
 from .request import FinishReason, Request, RequestStatus
+from .step_cost import StepCost
+
+MIN_PREFILL_TOKENS = 16  # prompt tokens a step under a TPOT target still carries, however slow it has been
 
 
 @dataclass
@@ -109,6 +117,7 @@ class Scheduler:
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache at first admissions
         self.prefix_hit_tokens = 0  # of those, found
         self.just_finished: list[Request] = []  # sequences finished since the engine last looked
+        self.step_cost = StepCost()  # fed by the engine after each step; read under a TPOT target
 
     def add(self, request: Request, step: int = 0) -> None:
         """Queue a request (the engine has checked it can ever be served)."""
@@ -126,7 +135,7 @@ class Scheduler:
         """Plan one step: running requests first (preempting the newest when blocks run out), then
         waiting ones FCFS. The chosen tokens already have their slots when this returns."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -156,6 +165,18 @@ class Scheduler:
         if self.config.num_scheduler_steps > 1:
             self._look_ahead(out)
         return out
+
+    def token_budget(self) -> int:
+        """This step's tokens: max_num_batched_tokens, or under a TPOT target while a running request decodes, what
+        the measured step cost says fits the target (at least the decodes and MIN_PREFILL_TOKENS of prompt)."""
+        cap, target = self.config.max_num_batched_tokens, self.config.tpot_slo_ms
+        if target is None:
+            return cap
+        decoding = sum(1 + len(r.spec_token_ids) for r in self.running if r.num_tokens_to_compute == 1)
+        fits = self.step_cost.tokens_within(target / 1e3) if decoding else None
+        if fits is None:  # no decode to protect, or no step measured yet
+            return cap
+        return min(cap, max(fits, decoding + MIN_PREFILL_TOKENS))
 
     def _look_ahead(self, out: SchedulerOutput) -> None:
         """Multi-step decoding (vLLM V0's `num_scheduler_steps`): when no one waits and every chunk is a decode

@@ -59,3 +59,31 @@ def test_csvs_round_trip_and_goodput_can_be_recomputed_under_another_slo(tmp_pat
     assert same[("a", 1.0)] == pytest.approx(summary[0]["goodput"], rel=1e-3)
     loose = goodput_under(summary, requests, SLO(ttft_s=10.0, tpot_s=1.0))
     assert loose[("a", 1.0)] == pytest.approx(2 / summary[0]["duration_s"])
+
+
+def test_slo_budget_runs_nanoserve_with_and_without_the_slos_tpot_target_and_a_peer_once():
+    from nanoserve.bench.arrivals import budget_runs
+    from nanoserve.config import EngineConfig
+
+    config, slo = EngineConfig.from_kwargs(tpot_slo_ms=100.0), SLO(3.0, 0.25)
+    options = ["--max-num-seqs", "8", "--tpot-slo-ms", "100.0", "--block-size", "16"]
+    (off_label, off, off_opts), (on_label, on, on_opts) = budget_runs("nanoserve-server", "nanoserve-server", config,
+                                                                      options, "both", slo)
+    assert (off_label, on_label) == ("nanoserve-server", "nanoserve-server slo-budget")
+    assert off.scheduler.tpot_slo_ms is None and on.scheduler.tpot_slo_ms == 250.0
+    assert off_opts == ["--max-num-seqs", "8", "--block-size", "16"] and on_opts == off_opts + ["--tpot-slo-ms", "250"]
+    assert budget_runs("nanoserve-engine", "nanoserve-engine", config, options, "off", slo) == [
+        ("nanoserve-engine", config, options)]  # as configured
+    assert [label for label, *_ in budget_runs("nanoserve-engine", "nanoserve-engine", config, [], "on", slo)] == [
+        "nanoserve-engine slo-budget"]
+    assert budget_runs("llama-server", "llama-server -np 8", config, options, "both", slo) == [
+        ("llama-server -np 8", config, options)]
+
+
+def test_the_prompt_heavy_workload_keeps_to_its_ranges(tok):
+    from nanoserve.bench.harness import prompt_heavy_workload
+
+    w = prompt_heavy_workload(tok, 40, seed=1)
+    assert w.name == "prompt-heavy" and len(w.prompts) == len(w.max_tokens) == 40
+    assert all(100 <= len(p) <= 300 for p in w.prompts) and all(30 <= m <= 100 for m in w.max_tokens)
+    assert sum(map(len, w.prompts)) > 2 * sum(w.max_tokens)  # prompts outweigh outputs

@@ -56,6 +56,10 @@ def test_engine_options_have_engine_configs_defaults_and_reach_a_subprocess():
     EngineConfig.add_cli_arguments(again)
     assert EngineConfig.from_cli(again.parse_args(engine_argv(args))) == engine_config(args)
     assert "--no-prefix-caching" in engine_argv(args) and "--no-prefix-caching" not in engine_argv(ap.parse_args([]))
+    assert "--tpot-slo-ms" not in engine_argv(args)  # off unless given
+    args = ap.parse_args(["--tpot-slo-ms", "250"])
+    assert engine_config(args).scheduler.tpot_slo_ms == 250.0
+    assert EngineConfig.from_cli(again.parse_args(engine_argv(args))) == engine_config(args)
 
 
 def test_engine_config_takes_a_scheduler_config_or_nothing():

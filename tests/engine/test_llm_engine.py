@@ -64,6 +64,23 @@ def test_a_request_arriving_mid_run_joins_the_running_batch(tiny_model):
     engine.check_idle()
 
 
+def test_a_tpot_target_splits_prompts_beside_decodes_and_changes_no_token(tiny_model):
+    """Under a target no step can meet, every step beside a decode carries it and MIN_PREFILL_TOKENS of prompt:
+    a long prompt arrives in small chunks, the decode never waits, and every request gets its solo tokens."""
+    from nanoserve.engine.scheduler import MIN_PREFILL_TOKENS
+    engine = LLMEngine(tiny_model, num_blocks=64, block_size=4, max_num_batched_tokens=64, tpot_slo_ms=1e-6)
+    a = engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, **GREEDY))
+    first = [t for _ in range(6) for o in engine.step() for t in o.new_token_ids]  # the step cost is measured
+    long_prompt = [(7 * i) % 50 + 3 for i in range(70)]
+    b = engine.add_request(long_prompt, SamplingParams(max_tokens=5, **GREEDY))
+    out = drain(engine)
+    chunks = [c[2] for rec in list(engine.history)[6:] for c in rec.scheduled if c[0] == engine.requests[b].seq_id]
+    assert chunks[:4] == [MIN_PREFILL_TOKENS] * 4 and sum(chunks[:5]) == len(long_prompt)
+    assert first + out[a] == solo(tiny_model, [5, 6, 7], 40) and out[b] == solo(tiny_model, long_prompt, 5)
+    assert engine.scheduler.step_cost.steps == len(engine.history)
+    engine.check_idle()
+
+
 def test_stop_tokens_and_eos_end_a_request_with_reason_stop(tiny_model):
     prompt = [3, 4, 5, 6]
     ref = solo(tiny_model, prompt, 8)

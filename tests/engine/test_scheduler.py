@@ -1,6 +1,8 @@
 """The scheduler without a model: queues, the token budget, chunking, admission, preemption and
 prefix hits, planned on a BlockManager (no tensors)."""
 
+import math
+
 import pytest
 
 from nanoserve.engine import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -189,3 +191,53 @@ def test_bad_multi_step_settings_are_refused_by_name(bad, why):
     from nanoserve.config import EngineConfig
     with pytest.raises(ValueError, match=why):
         EngineConfig.from_kwargs(**bad)
+
+
+def tpot_target_scheduler(fixed: float, per_token: float, target_ms: float = 150.0, budget: int = 512):
+    sched = Scheduler(BlockManager(256, 4), SchedulerConfig(max_num_batched_tokens=budget, tpot_slo_ms=target_ms))
+    for tokens in (1, 64, 256, 512):
+        sched.step_cost.observe(tokens, fixed + per_token * tokens)
+    return sched
+
+
+def test_a_tpot_target_shrinks_prompt_chunks_only_while_someone_decodes():
+    """With steps costing 50 ms + 1 ms a token and a 150 ms target, a step beside a decode carries 100 tokens: the
+    decode's one and 99 of the prompt; with no one decoding, a prompt takes the whole budget."""
+    sched = tpot_target_scheduler(0.050, 0.001)
+    long = request("long", 600, first=1000)
+    sched.add(long)
+    assert shape(run_step(sched)) == [("long", 0, 512)]  # alone: nobody's TPOT to keep
+    a = request("a", 5)
+    sched.add(a)
+    assert shape(run_step(sched, 1)) == [("long", 512, 88), ("a", 0, 5)]  # long's last chunk completes it
+    b = request("b", 400, first=2000)
+    sched.add(b)
+    plan = run_step(sched, 2)
+    assert shape(plan) == [("long", 600, 1), ("a", 5, 1), ("b", 0, 98)] and plan.num_tokens == 100
+    assert sched.token_budget() == 100
+
+
+def test_under_a_target_below_the_fixed_cost_prompts_still_move():
+    sched = tpot_target_scheduler(0.200, 0.001)  # a step costs more than the target whatever it carries
+    a, b = request("a", 5), request("b", 300, first=2000)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    from nanoserve.engine.scheduler import MIN_PREFILL_TOKENS
+    assert shape(run_step(sched, 1)) == [("a", 5, 1), ("b", 0, MIN_PREFILL_TOKENS)]
+
+
+def test_without_a_target_or_a_measured_step_the_budget_is_the_configured_one():
+    plain = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_batched_tokens=64))
+    unmeasured = Scheduler(BlockManager(64, 4), SchedulerConfig(max_num_batched_tokens=64, tpot_slo_ms=1.0))
+    for sched in (plain, unmeasured):
+        sched.add(request("a", 5))
+        run_step(sched)
+        sched.add(request("b", 100, first=500))
+        assert shape(run_step(sched, 1)) == [("a", 5, 1), ("b", 0, 63)]
+
+
+@pytest.mark.parametrize("bad", [0, -5.0, math.inf, math.nan, True, "250"])
+def test_a_bad_tpot_target_is_refused_by_name(bad):
+    with pytest.raises(ValueError, match="tpot_slo_ms"):
+        SchedulerConfig(tpot_slo_ms=bad)
