@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         numerics,
         outputs,
         paged,
+        roofline,
         shared,
         stall,
     )
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     batch.add_arguments(bsub.add_parser("batch", help="static batching, measured (Day 29)"))
     engine.add_arguments(bsub.add_parser("engine", help="the scheduled engine vs static batching and transformers"))
     chunked.add_arguments(bsub.add_parser("chunked", help="a long prompt arriving while others decode (Day 32)"))
+    roofline.add_arguments(bsub.add_parser("roofline", help="the machine's compute peak per number format, GEMM, "
+                                                              "read bandwidth"))
     decode.add_arguments(bsub.add_parser("decode", help="one request on every road, batched decode, vs peers"))
     attention.add_arguments(bsub.add_parser("attention", help="one decode step's attention, every road (Days 23-24)"))
     arrivals.add_arguments(bsub.add_parser("arrivals", help="requests arriving over time: vLLM's metrics per rate"))

@@ -14,12 +14,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from ..config import ModelConfig
 from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
@@ -29,7 +30,7 @@ from . import csvio
 from .command import common_arguments, csv_header, report, start
 from .harness import load_hf_model, time_hf_generate, time_model_batch, timed_greedy
 from .harness import prose as prompt_of  # n tokens of prose: every row's prompt
-from .roofline import measure_bandwidth
+from .roofline import forward_flops, matching_peak, measure_bandwidth, measure_compute_peaks
 from .timing import rounds
 
 CSV_PATH = "data/bench-decode.csv"
@@ -55,6 +56,14 @@ class DecodeRow:
     prefill_tok_s: float = NAN  # the prompt's tokens (all rows') over the time to the first token
     vs_transformers: float = NAN
     kv_cache_dtype: str = "auto"  # the K/V cache: the model's own (auto), or bfloat16
+    prefill_peak_frac: float = NAN  # the prefill's FLOP/s over its products' format's measured peak (`peak_format`)
+    step_peak_frac: float = NAN  # the decode step's likewise: compute-bound at large batches, not at batch 1
+
+
+def peak_format(engine: str, activations: str) -> str:
+    """The number format a road's products multiply in: int8 for the blocks on int8 activations and for llama.cpp
+    (its own int8 activations), fp32 for the rest (fp32 weights, and blocks expanded to fp32 as they are read)."""
+    return "int8" if activations == "int8" or engine == "llama.cpp" else "fp32"
 
 
 def weights_key(activations: str = "fp32", kv_cache_dtype: str = "auto") -> str:
@@ -63,9 +72,11 @@ def weights_key(activations: str = "fp32", kv_cache_dtype: str = "auto") -> str:
 
 
 def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tuple[str, str], float],
-              bandwidth: float) -> list[DecodeRow]:
+              bandwidth: float, cfg: ModelConfig | None = None, peaks: Mapping[str, float] | None = None,
+              ) -> list[DecodeRow]:
     """Rows from each key's (prefill s, decode step s) per round: medians, and each ratio the median over rounds
-    of that round's (pairing rounds, so a slow minute falls on both sides of it)."""
+    of that round's (pairing rounds, so a slow minute falls on both sides of it). With the model's `cfg` and the
+    machine's `peaks` (ops/s per format), each row's prefill and step as fractions of their format's peak."""
     tok_s = {key: [key[2] / step for _, step in per_round] for key, per_round in runs.items()}
 
     def vs(key: Key, other: Key) -> float:
@@ -77,11 +88,17 @@ def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tup
         s, wb = statistics.median(step for _, step in per_round), weight_bytes[(engine, weights)]
         fmt, *options = weights.split("+")
         prefill = statistics.median(batch * context / p for p, _ in per_round)
+        activations = "int8" if "int8" in options else "fp32"
+        peak = (peaks or {}).get(peak_format(engine, activations), NAN)
+        prefill_frac = step_frac = NAN
+        if cfg is not None:  # a prompt of `context` tokens per row, its head on the last only; a step one token a row
+            prefill_frac = prefill * forward_flops(cfg, context) / context / peak
+            step_frac = batch * forward_flops(cfg, 1, context) / s / peak
         rows.append(DecodeRow(engine, fmt, batch, context, s * 1e3, batch / s, wb / 1e6, wb / s / 1e9,
                               wb / s / bandwidth, vs(key, ("nanoserve", "fp32", batch, context)),
-                              vs(key, ("llama.cpp", "gguf", batch, context)), "int8" if "int8" in options else "fp32",
+                              vs(key, ("llama.cpp", "gguf", batch, context)), activations,
                               prefill, vs(key, ("transformers", "fp32", batch, context)),
-                              "bfloat16" if "kv-bf16" in options else "auto"))
+                              "bfloat16" if "kv-bf16" in options else "auto", prefill_frac, step_frac))
     return rows
 
 
@@ -236,8 +253,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         bandwidth, _ = measure_bandwidth(2**28)
         for m in models.values():  # warm up: builds, first allocations
             time_nanoserve(m, prompt_of(tok, 16), 2, 2)
+    measured = measure_compute_peaks([threads], best_only=True)  # the formats' peaks at the run's threads
+    peaks = {f: p.ops_s for f in ("fp32", "int8") if (p := matching_peak(measured, f, threads)) is not None}
     meta = csv_header(argv, model=folder.name, steps=n, rounds=args.rounds,
                       read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}", block_product=quant.describe(),
-                      int8_road=int8.int8_road(), llama_cpp=llama_note)
-    write_csv(args.out, make_rows(rounds(jobs, args.rounds, log=print), weight_bytes, bandwidth), meta)
+                      int8_road=int8.int8_road(), llama_cpp=llama_note,
+                      compute_peaks_gops={f"{p.format} {p.road}": round(p.ops_s / 1e9, 1) for p in measured})
+    write_csv(args.out, make_rows(rounds(jobs, args.rounds, log=print), weight_bytes, bandwidth, fp32.cfg, peaks),
+              meta)
     return report(args.out, meta, [asdict(r) for r in read_csv(args.out)[1]])

@@ -3,7 +3,10 @@ its arithmetic intensity (FLOPs per byte read) says which. Batch-1 decode's floo
 
 from __future__ import annotations
 
+import argparse
 import statistics
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +141,67 @@ def measure_roofline(gemm_n: int = 2048, buffer_bytes: int = 2**30, repeats: int
 
 
 @dataclass(frozen=True)
+class ComputePeak:
+    """A number format's multiply-add peak on this CPU (`csrc/peak.cpp`): operations per second of one instruction's
+    loop on registers, in cache by construction, on `threads` threads at once."""
+
+    format: str  # fp32, int8, bf16
+    road: str  # the instructions: avx512, avx2, avx512-vnni, avx-vnni, avx512-bf16
+    threads: int
+    ops_s: float
+
+
+def peak_roads() -> list[tuple[str, str]]:
+    """(format, road) of each peak loop this CPU runs, best road of a format first; none without the kernels."""
+    from .. import kernels
+
+    module = kernels.load()
+    return [] if module is None else [tuple(r) for r in module.peak_roads()]
+
+
+def measure_compute_peak(fmt: str, road: str, threads: int, seconds: float = 0.1, repeats: int = 5) -> ComputePeak:
+    """One format's peak on `threads` threads: the median of `repeats` runs of about `seconds` each."""
+    from .. import kernels
+
+    module = kernels.load()
+    if module is None:
+        raise RuntimeError(f"the compute peaks need the compiled kernels: {kernels.unavailable_reason()}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        iters, took = 1 << 12, 0.0
+        while took < seconds / 4:  # size a run to about `seconds`
+            iters *= 4
+            t = time.perf_counter()
+            module.peak_ops(fmt, road, iters)
+            took = time.perf_counter() - t
+        iters = max(1, int(iters * seconds / took))
+        ops = module.peak_ops(fmt, road, iters)
+        return ComputePeak(fmt, road, threads, ops / _median_seconds(lambda: module.peak_ops(fmt, road, iters),
+                                                                        repeats))
+    finally:
+        torch.set_num_threads(before)
+
+
+def measure_compute_peaks(threads: Sequence[int] = (1, 2), best_only: bool = False) -> list[ComputePeak]:
+    """Each format's peak on each road this CPU has (only its best road with `best_only`), at each thread count."""
+    roads = peak_roads()
+    if best_only:
+        roads = [r for i, r in enumerate(roads) if r[0] not in {f for f, _ in roads[:i]}]
+    return [measure_compute_peak(fmt, road, t) for fmt, road in roads for t in threads]
+
+
+def matching_peak(peaks: Sequence[ComputePeak], activations: str, threads: int) -> ComputePeak | None:
+    """The peak a product on `activations` (fp32, int8, bf16) is held to: that format's best road at `threads`
+    (bf16 without AVX512_BF16 is widened to fp32, so fp32's); None where none was measured."""
+    for fmt in ([activations, "fp32"] if activations == "bf16" else [activations]):
+        found = [p for p in peaks if p.format == fmt and p.threads == threads]
+        if found:
+            return max(found, key=lambda p: p.ops_s)
+    return None
+
+
+@dataclass(frozen=True)
 class StepRoofline:
     """A decode step of B rows on the roofline: its FLOPs, its bytes, the best time the machine allows."""
 
@@ -165,3 +229,36 @@ def step_roofline(model: Llama, batch_size: int, context: int, peak_flops: float
     kv_bytes = kv_bytes_per_token(cfg, model.dtype.itemsize) * context
     return StepRoofline(batch_size, batch_size * forward_flops(cfg, 1, context - 1),
                         model.weight_bytes() + batch_size * kv_bytes, peak_flops, bandwidth)
+
+
+CSV_PATH = "data/bench-roofline.csv"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    from .command import common_arguments
+
+    ap.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2], help="threads to measure each peak on")
+    common_arguments(ap, CSV_PATH)
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """`python -m nanoserve bench roofline`: every format's multiply-add peak on every road this CPU has, torch's fp32
+    GEMM and the read bandwidth, at each of --thread-counts; a row each."""
+    from . import csvio
+    from .command import csv_header, report, start
+
+    start(args, model=False)
+    rows, before = [], torch.get_num_threads()
+    for t in args.thread_counts:
+        rows += [dict(what="peak", format=p.format, road=p.road, threads=t, gops=round(p.ops_s / 1e9, 2), gb_s="")
+                 for p in measure_compute_peaks([t])]
+        torch.set_num_threads(t)
+        with torch.inference_mode():
+            gemm, (read, _) = measure_gemm_flops(1024), measure_bandwidth(2**28)
+        torch.set_num_threads(before)
+        rows += [dict(what="gemm", format="fp32", road="torch.matmul n=1024", threads=t, gops=round(gemm / 1e9, 2),
+                      gb_s=""),
+                 dict(what="read", format="", road="sum of 256 MiB", threads=t, gops="", gb_s=round(read / 1e9, 2))]
+    meta = csv_header(argv)
+    csvio.write_csv(args.out, rows, meta)
+    return report(args.out, meta, rows)

@@ -50,7 +50,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "kernels.cpp"
 SOURCES = [SOURCE, CSRC / "attention_bf16.cpp", CSRC / "matmul_bf16.cpp", CSRC / "matmul_fp32.cpp",
            CSRC / "quant.cpp", CSRC / "int8.cpp",
-           CSRC / "step.cpp", CSRC / "module.cpp"]  # one extension, and its header:
+           CSRC / "step.cpp", CSRC / "peak.cpp", CSRC / "module.cpp"]  # one extension, and its header:
 HEADERS = [CSRC / "nanoserve.h"]
 DISABLE_ENV = "NANOSERVE_KERNELS"  # "0": never build or use them
 

@@ -102,3 +102,22 @@ def test_the_bare_step_and_transformers_give_a_prefill_and_a_step(tmp_path, tiny
     hf = transformers.AutoModelForCausalLM.from_pretrained(save_checkpoint(tiny_model, tmp_path),
                                                            dtype=torch.float32).eval()
     assert all(s > 0 for s in decode.time_transformers(hf, [5, 6, 7], steps=3))
+
+
+def test_rows_carry_their_prefill_and_step_as_fractions_of_their_formats_peak(tiny_cfg):
+    from nanoserve.bench.roofline import forward_flops
+
+    steps = {**STEPS, ("nanoserve", "gguf+int8", 32, 128): 0.050}
+    runs = {key: [(0.5, s)] for key, s in steps.items()}
+    peaks = {"fp32": 1e9, "int8": 4e9}
+    rows = {(r.engine, r.weights, r.activations, r.batch): r
+            for r in decode.make_rows(runs, {**BYTES, ("nanoserve", "gguf+int8"): 1e8}, 20e9, tiny_cfg, peaks)}
+    fp32 = rows[("nanoserve", "fp32", "fp32", 32)]
+    assert math.isclose(fp32.prefill_peak_frac, 32 * forward_flops(tiny_cfg, 128) / 0.5 / 1e9)
+    assert math.isclose(fp32.step_peak_frac, 32 * forward_flops(tiny_cfg, 1, 128) / 0.080 / 1e9)
+    int8 = rows[("nanoserve", "gguf", "int8", 32)]  # held to the int8 peak, 4x fp32's here
+    assert math.isclose(int8.step_peak_frac, 32 * forward_flops(tiny_cfg, 1, 128) / 0.050 / 4e9)
+    assert math.isclose(rows[("llama.cpp", "gguf", "fp32", 1)].step_peak_frac,
+                        forward_flops(tiny_cfg, 1, 128) / 0.0125 / 4e9)  # llama.cpp multiplies int8 activations
+    assert all(math.isnan(r.prefill_peak_frac) for r in decode.make_rows(runs, {**BYTES, ("nanoserve", "gguf+int8"):
+                                                                               1e8}, 20e9))  # no peaks measured

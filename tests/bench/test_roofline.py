@@ -94,3 +94,26 @@ def test_step_roofline_counts_every_rows_kv_reads(tiny_model):
 def test_forward_sweep_rows(tiny_model):
     rows = forward_sweep(tiny_model, [1, 4], repeats=1)
     assert [r["tokens"] for r in rows] == [1, 4] and all(r["seconds"] > 0 for r in rows)
+
+
+def test_every_format_this_cpu_has_a_peak_and_a_bad_road_is_named(compiled):
+    from nanoserve.bench.roofline import ComputePeak, matching_peak, measure_compute_peak, peak_roads
+
+    roads = peak_roads()
+    if not roads:
+        pytest.skip("no peak loops off x86")
+    formats = [f for f, _ in roads]
+    assert "fp32" in formats and "int8" in formats and set(formats) <= {"fp32", "int8", "bf16"}
+    assert ("int8", "avx2") in roads  # every x86 road here has AVX2's
+    peak = measure_compute_peak("fp32", roads[0][1], threads=1, seconds=0.01, repeats=1)
+    assert peak.threads == 1 and 1e8 < peak.ops_s < 1e13
+    assert torch.get_num_threads() >= 1  # threads restored
+    with pytest.raises(RuntimeError, match="no peak loop for format 'fp64'"):
+        compiled.peak_ops("fp64", "avx2", 10)
+    with pytest.raises(RuntimeError, match="positive"):
+        compiled.peak_ops("fp32", "avx2", 0)
+    peaks = [ComputePeak("fp32", "avx2", 2, 1e11), ComputePeak("int8", "avx2", 2, 2e11),
+             ComputePeak("int8", "avx-vnni", 2, 3e11), ComputePeak("int8", "avx2", 1, 1e11)]
+    assert matching_peak(peaks, "int8", 2).road == "avx-vnni" and matching_peak(peaks, "int8", 1).ops_s == 1e11
+    assert matching_peak(peaks, "bf16", 2).format == "fp32"  # widened to fp32 where AVX512_BF16 is not
+    assert matching_peak(peaks, "fp32", 4) is None

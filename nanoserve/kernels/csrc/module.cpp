@@ -37,6 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_packed_here", &int8_packed_here, "whether this CPU's int8 road has a packed layout");
   m.def("int8_road", &int8_road, "the road block_linear_int8 takes on this CPU");
   m.def("int8_roads", &int8_roads, "every road block_linear_int8 can take on this CPU, best first");
+  m.def("peak_roads", &peak_roads, "(format, road) of each compute-peak loop this CPU can run, best road first");
+  m.def("peak_ops", &peak_ops, nogil, "one run of a format's multiply-add loop on every torch thread: operations done");
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,

@@ -1,8 +1,8 @@
 // The kernels' C++ entry points, one extension built from kernels.cpp (the layer's small calls and the paged
 // attention), attention_bf16.cpp (a prompt's attention with bf16 products), matmul_bf16.cpp (a bf16 matrix's
 // product, on AVX512_BF16 or widened to fp32), matmul_fp32.cpp (an fp32 matrix's, one order for any rows), quant.cpp
-// (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call) and module.cpp (the Python
-// bindings).
+// (the product on GGUF blocks), step.cpp (a model on blocks stepped by one call), peak.cpp (the compute peaks
+// bench.roofline measures) and module.cpp (the Python bindings).
 #pragma once
 #include <ATen/Parallel.h>
 #include <torch/types.h>  // torch::Tensor and its factories; the bindings alone need torch/extension.h
@@ -77,6 +77,9 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N)
 // x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).
 torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
+// The compute peaks per number format (peak.cpp): the (format, road) loops this CPU can run, and one run of one.
+std::vector<std::tuple<std::string, std::string>> peak_roads();
+double peak_ops(std::string format, std::string road, int64_t iters);
 // The same loops on raw numbers, for callers that have checked the shapes (step.cpp).
 void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out,
                   Team* team = nullptr);
