@@ -9,6 +9,7 @@
     bench batch    static batching, measured (Day 29)
     bench engine   the scheduled engine vs static batching and transformers (Days 30-35)
     bench chunked  a long prompt arriving while others decode: chunked prefill per budget (Day 32)
+    bench roofline each number format's multiply-add peak, torch's fp32 GEMM, read bandwidth, 1 and 2 threads
     bench decode   one request on every road and batched decode: fp32, the GGUF's blocks, transformers, llama.cpp
     bench attention  one decode step's attention: the gather, torch ops, SDPA, the kernel, split-K (Days 23-24)
     bench arrivals requests arriving over time: TTFT, TPOT, goodput per rate (Days 37, 39)
