@@ -60,7 +60,10 @@ class RunSummary:
 
 
 def label_of(config: EngineConfig | SchedulerConfig) -> str:
+    """A configuration's name in a run: its budget, "no-chunk", or its TPOT target ("target 60 ms")."""
     s = engine_config(config).scheduler
+    if s.tpot_slo_ms is not None:
+        return f"target {s.tpot_slo_ms:g} ms"
     return str(s.max_num_batched_tokens) if s.chunked_prefill else "no-chunk"
 
 

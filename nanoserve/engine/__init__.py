@@ -1,7 +1,8 @@
 """The engine: requests (`request`), the scheduler that plans each step and does its bookkeeping
-(`scheduler`), the model runner that executes it (`model_runner`), prompt-lookup drafting for
-speculative decoding (`spec`), the input checks every road shares (`checks`), what a step hands back
-(`outputs`), and `LLMEngine`, the one loop every road of the package runs through."""
+(`scheduler`) and what a step costs it under a time-per-token target (`step_cost`), the model runner that
+executes it (`model_runner`), prompt-lookup drafting for speculative decoding (`spec`), the input checks every
+road shares (`checks`), what a step hands back (`outputs`), and `LLMEngine`, the one loop every road of the
+package runs through."""
 
 from ..config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from .checks import check_prompt, check_prompts

@@ -80,6 +80,7 @@ def test_scenario_on_the_tiny_model_counts_chunks_and_keeps_tokens(tiny_model):
     config = EngineConfig(scheduler=SchedulerConfig(max_num_batched_tokens=23))
     chunked = run_scenario(tiny_model, config, shorts, long, short_tokens=30, long_tokens=3, warm=2)
     assert label_of(config) == chunked.label == "23" and label_of(SchedulerConfig(chunked_prefill=False)) == "no-chunk"
+    assert label_of(SchedulerConfig(tpot_slo_ms=60.0)) == "target 60 ms"
     assert summarize_run(whole).prefill_steps == 1
     assert summarize_run(chunked).prefill_steps == 5  # 3 decode tokens + 20 of the prompt a step
     assert all(s[0] < 0 for s in (whole.steps[r] for r in whole.short_ids))  # decoding before it arrived
