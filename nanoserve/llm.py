@@ -35,7 +35,8 @@ class LLM:
     products on int8 activations, `dtype="bfloat16"` bf16 matrices and K/V, `kv_cache_dtype="bfloat16"` a bf16
     K/V cache alone (each opt-in, faster, not exact; see `load`). The engine's options
     are vLLM's keywords (`max_num_seqs`, `max_num_batched_tokens`, `block_size`, `num_blocks`,
-    `kv_cache_bytes`, `enable_prefix_caching`, `speculative_config`; `config.EngineConfig`)."""
+    `kv_cache_bytes`, `enable_prefix_caching`, `speculative_config`; `config.EngineConfig`), and nanoserve's
+    `num_scheduler_steps` and `tpot_slo_ms` (a time-per-token target that sizes prompt chunks, Day 32)."""
 
     def __init__(self, model: str | Path | None = None, *, weights: str = "fp32", activations: str = "fp32",
                  dtype: str = "float32", kv_cache_dtype: str = "auto", **engine_options: Any):
