@@ -1,7 +1,8 @@
 """The weight products on a CPU: which kernel multiplies x by a weight, and why (Day 11).
 
 Every matrix is stored [in, out] (`linear_weight`): the same (out, in) tensor F.linear
-expects, transposed in memory. `linear(x, w)` then takes one of these roads:
+expects, transposed in memory. `linear(x, w)` then takes the first road of `ROADS`, one table keyed by the
+weight's format, that takes x and w (`road(x, w)` names it):
 
 - x86 CPUs with AVX2 or AVX-512 (`TILES`), with the compiled kernels: `kernels.fp32_linear`, on the copy of w
   that `pack` lays out in tiles of 16 outputs. Each output sums its inputs in slices of 64, each slice an
@@ -38,7 +39,9 @@ from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -329,40 +332,118 @@ def embedding(ids: Tensor, w: Tensor | BlockWeight, dtype: torch.dtype | None = 
     return F.embedding(ids, w).to(dtype or w.dtype)
 
 
-def linear(x: Tensor, w: Tensor | BlockWeight | RowGroups, compiled: bool | None = None) -> Tensor:
-    """x @ w.T for a weight w (out, in), like F.linear, on the road for x's rows (see the module doc).
-    `compiled`: the kernels' roads (None: where built): for an fp32 w, its tiles where it has them, else torch's
-    roads; for a BlockWeight, the block kernel, else a dequantized copy (fp32 activations) or the int8 product's
-    torch reference (int8 activations: the same bits); for RowGroups, each group's, side by side."""
+Weight = Tensor | BlockWeight | RowGroups
+
+
+class Road(NamedTuple):
+    """One way to multiply x by a weight: its name, whether it takes this x and w here (`compiled` already made
+    definite), and the product. `ROADS` lists them per weight format, first choice first."""
+
+    name: str
+    takes: Callable[[Tensor, Weight, bool], bool]
+    product: Callable[[Tensor, Weight, bool], Tensor]
+
+
+_DTYPE_FORMATS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def weight_format(w: Weight) -> str:
+    """The key `ROADS` is read by: "row-groups"; a BlockWeight's "blocks" or "blocks-int8" (what it multiplies,
+    whatever its GGUF format: the block kernels take every one); a matrix's "fp32" or "bf16"; else "other"."""
     if isinstance(w, RowGroups):
-        return torch.cat([linear(x, p, compiled) for p in w.parts], -1)
+        return "row-groups"
     if isinstance(w, BlockWeight):
-        if w.activations == "int8":
-            return int8.block_linear_int8(x, w.blocks, w.fmt, compiled=compiled, packed=w.int8_packed())
-        return quant.block_linear(x, w.blocks, w.fmt, compiled)
+        return "blocks-int8" if w.activations == "int8" else "blocks"
+    return _DTYPE_FORMATS.get(w.dtype, "other")
+
+
+def _cpu_in_out(x: Tensor, w: Tensor) -> bool:
+    """fp32 x on the CPU and w stored [in, out], what every fp32 road below reads."""
+    return x.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, w.shape[0])
+
+
+def _one_row(x: Tensor, w: Tensor) -> bool:
+    return _cpu_in_out(x, w) and x.numel() == w.shape[1]
+
+
+def _no_grad_cpu(x: Tensor) -> bool:
+    return not torch.is_grad_enabled() and x.device.type == "cpu"
+
+
+def _bf16(x: Tensor) -> Tensor:
+    return x.to(torch.bfloat16)
+
+
+def _fp32_tiles(x: Tensor, w: Tensor, compiled: bool) -> Tensor:
     n_out, n_in = w.shape
-    if x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and w.stride() == (1, n_out):
-        tiles = tiled(w)
-        if tiles is not None and not torch.is_grad_enabled() and kernels.resolve(compiled):
-            return kernels.fp32_linear(x.reshape(-1, n_in), tiles, n_out).view(*x.shape[:-1], n_out)
-        if x.numel() == n_in:
-            if ONE_ROW == "bmm" and n_in % BMM_ROWS == 0:
-                return bmm_linear(x, w)
-            return bag_linear(x, w)
-        if ONEDNN and not torch.is_grad_enabled():
-            return onednn_linear(x, w)
-    if w.dtype == torch.bfloat16:  # bf16 matrices: x in bf16 (rounded here if fp32), fp32 sums, bf16 out
-        xb = x.to(w.dtype)  # (oneDNN, `bf16_road`, gives each row the same bits for any row count)
-        if torch.is_grad_enabled() or x.device.type != "cpu":
-            return F.linear(xb, w)
-        tiles = tiled(w)
-        if tiles is not None and kernels.resolve(compiled):
-            return kernels.bf16_tiles_linear(xb.reshape(-1, n_in), tiles, n_out).view(*x.shape[:-1], n_out)
-        if packed(w) is not None:
-            return onednn_linear(xb, w)
-        if bf16_road() == "widen":  # each row's bits fixed on both: the kernel's sums, or fp32's roads'
-            if kernels.resolve(compiled) and w.stride() == (1, n_out):
-                return kernels.bf16_linear(xb.reshape(-1, n_in), w).view(*x.shape[:-1], n_out)
-            return linear(xb.float(), w.float()).to(w.dtype)
-        return F.linear(xb, w)
-    return F.linear(x, w)
+    return kernels.fp32_linear(x.reshape(-1, n_in), tiled(w), n_out).view(*x.shape[:-1], n_out)
+
+
+def _bf16_tiles(x: Tensor, w: Tensor, compiled: bool) -> Tensor:
+    n_out, n_in = w.shape
+    return kernels.bf16_tiles_linear(_bf16(x).reshape(-1, n_in), tiled(w), n_out).view(*x.shape[:-1], n_out)
+
+
+def _bf16_widening(x: Tensor, w: Tensor, compiled: bool) -> Tensor:
+    n_out, n_in = w.shape
+    return kernels.bf16_linear(_bf16(x).reshape(-1, n_in), w).view(*x.shape[:-1], n_out)
+
+
+def _recording(x: Tensor) -> bool:
+    """Whether autograd records a product of x (the kernels have no backward)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def _always(x: Tensor, w: Weight, compiled: bool) -> bool:
+    return True
+
+
+ROADS: dict[str, tuple[Road, ...]] = {
+    "row-groups": (Road("each group's, side by side", _always,
+                        lambda x, w, c: torch.cat([linear(x, p, c) for p in w.parts], -1)),),
+    "blocks": (Road("block kernel", lambda x, w, c: c and not _recording(x),
+                    lambda x, w, c: quant.block_linear(x, w.blocks, w.fmt, True)),
+               Road("dequantized", _always, lambda x, w, c: quant.block_linear(x, w.blocks, w.fmt, False))),
+    "blocks-int8": (Road("int8 kernel", lambda x, w, c: c and not _recording(x),
+                         lambda x, w, c: int8.block_linear_int8(x, w.blocks, w.fmt, compiled=True,
+                                                                packed=w.int8_packed())),
+                    Road("int8 in torch", _always,
+                         lambda x, w, c: int8.block_linear_int8(x, w.blocks, w.fmt, compiled=False))),
+    "fp32": (Road("tiles", lambda x, w, c: c and _cpu_in_out(x, w) and not torch.is_grad_enabled()
+                  and tiled(w) is not None, _fp32_tiles),
+             Road("bmm", lambda x, w, c: _one_row(x, w) and ONE_ROW == "bmm" and w.shape[1] % BMM_ROWS == 0,
+                  lambda x, w, c: bmm_linear(x, w)),
+             Road("bag", lambda x, w, c: _one_row(x, w), lambda x, w, c: bag_linear(x, w)),
+             Road("oneDNN", lambda x, w, c: _cpu_in_out(x, w) and ONEDNN and not torch.is_grad_enabled(),
+                  lambda x, w, c: onednn_linear(x, w)),
+             Road("F.linear", _always, lambda x, w, c: F.linear(x, w))),
+    # bf16 matrices: x in bf16 (rounded if fp32), fp32 sums, bf16 out; each row's bits fixed on every road here
+    "bf16": (Road("bf16 tiles", lambda x, w, c: c and _no_grad_cpu(x) and tiled(w) is not None, _bf16_tiles),
+             Road("oneDNN bf16", lambda x, w, c: _no_grad_cpu(x) and packed(w) is not None,
+                  lambda x, w, c: onednn_linear(_bf16(x), w)),
+             Road("widening kernel", lambda x, w, c: c and _no_grad_cpu(x) and bf16_road() == "widen"
+                  and w.stride() == (1, w.shape[0]), _bf16_widening),
+             Road("widened to fp32", lambda x, w, c: _no_grad_cpu(x) and bf16_road() == "widen",
+                  lambda x, w, c: linear(_bf16(x).float(), w.float()).to(w.dtype)),
+             Road("F.linear", _always, lambda x, w, c: F.linear(_bf16(x), w))),
+    "other": (Road("F.linear", _always, lambda x, w, c: F.linear(x, w)),),
+}
+"""Every product `linear` can take, per weight format, first choice first: a new format or kernel is a line here."""
+
+
+def road(x: Tensor, w: Weight, compiled: bool | None = None) -> Road:
+    """The road `linear` takes for x and w on this machine: the first of the weight format's that takes them."""
+    c = kernels.resolve(compiled)
+    return next(r for r in ROADS[weight_format(w)] if r.takes(x, w, c))
+
+
+def linear(x: Tensor, w: Weight, compiled: bool | None = None) -> Tensor:
+    """x @ w.T for a weight w (out, in), like F.linear, on the first road of `ROADS` that takes x and w (see the
+    module doc). `compiled`: the kernels' roads (None: where built); without them, torch's roads for an fp32 or
+    bf16 w, a dequantized copy for blocks with fp32 activations, the int8 product's torch reference (the same
+    bits) for int8 activations."""
+    c = kernels.resolve(compiled)
+    for r in ROADS[weight_format(w)]:  # (a plain loop: this runs for every matrix of every step)
+        if r.takes(x, w, c):
+            return r.product(x, w, c)
+    raise AssertionError("every format's last road takes any x")

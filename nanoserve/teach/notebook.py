@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
+from types import ModuleType
 
 
-def show_source(obj: object) -> None:
-    """Print an object's source from the package: the notebook never keeps a second copy."""
-    _show(inspect.getsource(obj), "python")  # type: ignore[arg-type]
+def show_source(obj: object, name: str | None = None) -> None:
+    """Print an object's source from the package: the notebook never keeps a second copy. With `name`, obj is a
+    module and what is shown is its top-level assignment of that name (a table such as `matmul.ROADS`)."""
+    if name is None:
+        _show(inspect.getsource(obj), "python")  # type: ignore[arg-type]
+        return
+    if not isinstance(obj, ModuleType):
+        raise TypeError(f"show_source(obj, {name!r}): obj must be a module, not {type(obj).__name__}")
+    src = inspect.getsource(obj)
+    for node in ast.parse(src).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            _show(ast.get_source_segment(src, node) or "", "python")
+            return
+    raise ValueError(f"{obj.__name__} assigns no {name!r} at its top level")
 
 
 def show_cpp(name: str, source: str = "kernels") -> None:

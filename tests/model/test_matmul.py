@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from nanoserve import kernels
 from nanoserve.config import ModelConfig
+from nanoserve.kernels import int8
 from nanoserve.model import Llama, linear, linear_weight
 from nanoserve.model import matmul as mm
 from nanoserve.model.weights import load_model, save_checkpoint
@@ -194,3 +195,40 @@ def test_linear_one_row_is_the_weighted_row_sum_and_other_layouts_are_f_linear()
     w.grad = None
     linear(x, w).sum().backward()  # still differentiable (the cached indices are ordinary tensors)
     torch.testing.assert_close(w.grad, x.reshape(1, 64).expand(96, 64))
+
+
+def test_every_road_of_the_table_gives_the_product_and_road_names_the_one_taken():
+    """`ROADS` per format, each road forced on inputs it takes: the product F.linear gives (to fp32's or the
+    format's rounding), and `road` names the first that takes x and w, as `linear` runs it."""
+    g = torch.Generator().manual_seed(7)
+    w = random_linear_weight(64, 128, g)
+    x1, x4 = torch.randn(1, 1, 128, generator=g), torch.randn(4, 128, generator=g)
+    built = kernels.available()
+    tiled_w = random_linear_weight(64, 128, g)
+    assert mm.pack(tiled_w) == (mm.TILES and built) or mm.packed(tiled_w) is not None
+    blocks = mm.BlockWeight.quantize(torch.randn(64, 128, generator=g), "q8_0")
+    blocks_int8 = mm.BlockWeight(blocks.blocks, "q8_0", 128, activations="int8")
+    with torch.inference_mode():
+        cases = {"fp32": [(x1, w, "bmm" if mm.ONE_ROW == "bmm" else "bag", False), (x4, w, "oneDNN", False),
+                          (x4, tiled_w, "tiles" if mm.TILES and built else "oneDNN", True)],
+                 "blocks": [(x4, blocks, "block kernel" if built else "dequantized", None),
+                            (x4, blocks, "dequantized", False)],
+                 "blocks-int8": [(x4, blocks_int8, "int8 kernel" if built else "int8 in torch", None),
+                                 (x4, blocks_int8, "int8 in torch", False)]}
+        for fmt, rows in cases.items():
+            for x, weight, name, compiled in rows:
+                assert mm.weight_format(weight) == fmt
+                taken = mm.road(x, weight, compiled)
+                assert taken.name == name and taken in mm.ROADS[fmt], (fmt, name, taken.name)
+                got = mm.linear(x, weight, compiled)
+                if fmt == "blocks-int8":  # x rounded to int8 blocks: the same bits as the product's torch reference
+                    assert torch.equal(got, int8.block_linear_int8_reference(x, weight.blocks, "q8_0"))
+                    continue
+                dense = weight.dequantize() if isinstance(weight, mm.BlockWeight) else weight
+                torch.testing.assert_close(got, F.linear(x, dense), atol=1e-5, rtol=1e-5)
+        for r in mm.ROADS["fp32"][1:]:  # the torch roads, each forced on a row it takes
+            if r.takes(x1, w, False):
+                torch.testing.assert_close(r.product(x1, w, False), F.linear(x1, w), atol=1e-5, rtol=1e-5)
+    assert mm.road(x4, w).name == "F.linear"  # gradients on: the one road with a backward
+    assert mm.road(x4, w.bfloat16()).name == "F.linear"
+    assert mm.road(x4, w.double()).name == "F.linear" and mm.weight_format(w.double()) == "other"

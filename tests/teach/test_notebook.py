@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import IPython.display
+import pytest
 
 from nanoserve.attention import prepare
 from nanoserve.bench.machine import machine_line
+from nanoserve.model import matmul
 from nanoserve.teach.notebook import machine_info, show_cpp, show_source
 
 
@@ -20,6 +22,15 @@ def shown(monkeypatch, fn, *args) -> str:
 def test_show_source_shows_the_function_as_python(monkeypatch):
     text = shown(monkeypatch, show_source, prepare)
     assert text.startswith("```python\ndef prepare(chunks") and text.endswith("\n```")
+
+
+def test_show_source_shows_a_modules_table_by_name_and_names_what_it_lacks(monkeypatch):
+    text = shown(monkeypatch, show_source, matmul, "ROADS")
+    assert text.startswith("```python\nROADS: dict[str, tuple[Road, ...]] = {") and '"bf16": (' in text
+    with pytest.raises(ValueError, match="assigns no 'NOWHERE'"):
+        show_source(matmul, "NOWHERE")
+    with pytest.raises(TypeError, match="must be a module"):
+        show_source(prepare, "ROADS")
 
 
 def test_show_cpp_shows_one_kernel_function(monkeypatch):
