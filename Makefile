@@ -9,7 +9,9 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.nanoserve-installed
 PYTEST_ARGS ?=
-# test workers: one per core, at most two (each holds the model, transformers' copy and a notebook kernel)
+# test workers: one per core, at most two (each holds the model, transformers' copy and a notebook kernel).
+# The notebooks run after the tests, so that a day shares the cores with another day only (one thread each),
+# not with the tests' servers and reference models, and its time in the summary stays near a reader's.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 2 ? n : 2 )))
 # Jupyter refuses to start as root unless told; root is the usual user in containers and on CI machines
 JUPYTER_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
@@ -33,8 +35,9 @@ lab: model
 
 test: model
 	$(BIN)/python -m ruff check nanoserve tests
+	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadscope --durations=15 tests $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -rs -n $(PYTEST_WORKERS) --dist loadscope --nbval --nbval-current-env \
-		--nbval-sanitize-with notebooks/sanitize.cfg --durations=15 tests notebooks $(PYTEST_ARGS)
+		--nbval-sanitize-with notebooks/sanitize.cfg notebooks $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check nanoserve tests

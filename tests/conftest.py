@@ -20,10 +20,7 @@ from nanoserve import kernels
 from nanoserve.config import ModelConfig
 from nanoserve.model import Llama
 
-if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "NANOSERVE_THREADS" not in os.environ:
-    # workers share the cores: each (and the notebook kernels it starts) takes its part, so none oversubscribes
-    share = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
-    os.environ["NANOSERVE_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(share)
+# (the repo's conftest.py sets NANOSERVE_THREADS to a worker's share of the cores under xdist)
 torch.set_num_threads(max(1, int(os.environ.get("NANOSERVE_THREADS", torch.get_num_threads()))))
 
 HAVE_COMPILER = any(shutil.which(c) for c in ("c++", "g++", "clang++"))
