@@ -253,10 +253,12 @@ class BlockWeight(nn.Module):
         (`kernels.int8.packed_here`: the x86 roads), else None. Made on first use and kept beside the blocks
         (their bytes again, as `pack` keeps oneDNN's copy of an fp32 matrix); the blocks are the checkpoint's,
         never written."""
+        kept = self._int8_packed  # every product asks: the kept copy first, read past nn.Module's attribute lookup
+        if kept is not None and self.keep_packed and self.activations == "int8" \
+                and kept[0] == self._buffers["blocks"].data_ptr():
+            return kept[1]
         if not self.keep_packed or self.activations != "int8" or self.blocks.device.type != "cpu":
             return None
-        if self._int8_packed is not None and self._int8_packed[0] == self.blocks.data_ptr():
-            return self._int8_packed[1]  # every product asks: the kernels are not asked again
         if not int8.packed_here():
             return None
         self._int8_packed = (self.blocks.data_ptr(), int8.pack(self.blocks, self.fmt))
