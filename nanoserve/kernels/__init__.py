@@ -162,9 +162,12 @@ def use_kernels(dtype: torch.dtype, want: bool | None = None) -> bool:
 
 def fits(*tensors: Tensor, bf16: bool = False) -> bool:
     """Whether the kernels take these tensors: contiguous fp32 (or, with bf16, bf16) on the CPU, no gradient wanted."""
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    return not torch.is_grad_enabled() and all(
-        t.dtype in dtypes and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    if torch.is_grad_enabled():
+        return False
+    for t in tensors:  # (a plain loop: every layer op of every step asks)
+        if not ((t.dtype == torch.float32 or (bf16 and t.dtype == torch.bfloat16)) and t.is_cpu and t.is_contiguous()):
+            return False
+    return True
 
 
 # The calls. Each goes through handle_torch_function, as torch's own ops do, so tools that watch torch
