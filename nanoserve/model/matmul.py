@@ -433,10 +433,16 @@ ROADS: dict[str, tuple[Road, ...]] = {
 """Every product `linear` can take, per weight format, first choice first: a new format or kernel is a line here."""
 
 
+def _first(x: Tensor, w: Weight, compiled: bool) -> Road:
+    for r in ROADS[weight_format(w)]:  # (a plain loop: this runs for every matrix of every step)
+        if r.takes(x, w, compiled):
+            return r
+    raise AssertionError("every format's last road takes any x")
+
+
 def road(x: Tensor, w: Weight, compiled: bool | None = None) -> Road:
     """The road `linear` takes for x and w on this machine: the first of the weight format's that takes them."""
-    c = kernels.resolve(compiled)
-    return next(r for r in ROADS[weight_format(w)] if r.takes(x, w, c))
+    return _first(x, w, kernels.resolve(compiled))
 
 
 def linear(x: Tensor, w: Weight, compiled: bool | None = None) -> Tensor:
@@ -445,7 +451,4 @@ def linear(x: Tensor, w: Weight, compiled: bool | None = None) -> Tensor:
     bf16 w, a dequantized copy for blocks with fp32 activations, the int8 product's torch reference (the same
     bits) for int8 activations."""
     c = kernels.resolve(compiled)
-    for r in ROADS[weight_format(w)]:  # (a plain loop: this runs for every matrix of every step)
-        if r.takes(x, w, c):
-            return r.product(x, w, c)
-    raise AssertionError("every format's last road takes any x")
+    return _first(x, w, c).product(x, w, c)
