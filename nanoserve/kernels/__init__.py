@@ -19,8 +19,8 @@ them against what this machine has); the two roads agree to fp32 rounding. The s
 product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
 `model.compiled`), which steps a model on blocks through all of these in one call, the product of a
 bf16 matrix, on AVX512_BF16's pair products (`bf16_tiles_linear`) or, where torch has no fast one, widened
-to fp32 (`bf16_linear`, both `csrc/matmul_bf16.cpp`), and an fp32 matrix's product; the tiled ones sum in
-one order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
+to fp32 (`bf16_linear`, or `bf16_panels_linear` on a copy packed at load; all `csrc/matmul_bf16.cpp`), and an
+fp32 matrix's product; the tiled ones sum in one order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -278,6 +278,21 @@ def bf16_linear(x: Tensor, w: Tensor) -> Tensor:
     if has_torch_function((x, w)):
         return handle_torch_function(bf16_linear, (x, w), x, w)
     return _ext().bf16_linear(x, w)
+
+
+def pack_bf16_panels(w: Tensor) -> Tensor:
+    """A bf16 matrix w (N, K), N a multiple of 16, as the panels `bf16_panels_linear` reads: (N / 16, K, 16), the
+    weights of 16 consecutive outputs for every input one contiguous stretch."""
+    return _ext().pack_bf16_panels(w)
+
+
+def bf16_panels_linear(x: Tensor, panels: Tensor) -> Tensor:
+    """`bf16_linear`'s product, the same bits, with w read from its panels (`pack_bf16_panels`): one contiguous
+    stretch per task, which memory streams at its speed, where the [in, out] matrix gives a task pieces of 128
+    bytes a whole row apart."""
+    if has_torch_function((x, panels)):
+        return handle_torch_function(bf16_panels_linear, (x, panels), x, panels)
+    return _ext().bf16_panels_linear(x, panels)
 
 
 def bf16_tiles_here() -> bool:

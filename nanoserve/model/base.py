@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, tiled
+from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, panels, tiled
 
 
 def set_weight(module: nn.Module, name: str, w: Tensor | BlockWeight | RowGroups) -> None:
@@ -56,11 +56,12 @@ class DecoderLM(nn.Module):
 
     def one_row_same_bits(self, compiled: bool | None) -> bool:
         """Whether a step of one row gives it the bits a step of many would, with no rows added: every product on
-        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones) or on the block
+        the tiles (`matmul.tiled`, the kernels on: fp32 on x86 CPUs, bf16 on AVX512_BF16 ones), a bf16 matrix's
+        panels elsewhere (`matmul.panels`: the widening kernel, one order for any row count) or on the block
         kernels (GGUF blocks or row groups of them: each output row from its own row of x, `quant.block_linear`,
         `kernels.int8`). Elsewhere a batch-invariant runner pads one row to more."""
         def alone(w: Tensor | BlockWeight | RowGroups) -> bool:
-            return isinstance(w, BlockWeight | RowGroups) or tiled(w) is not None
+            return isinstance(w, BlockWeight | RowGroups) or tiled(w) is not None or panels(w) is not None
         return bool(compiled) and all(map(alone, self.matrices()))
 
     def round_kv(self, dtype: torch.dtype) -> DecoderLM:

@@ -192,5 +192,6 @@ class Llama(DecoderLM):
                 w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
                 w.__dict__.pop("_nanoserve_packed", None)  # a copy of the old numbers: `pack` anew
                 w.__dict__.pop("_nanoserve_tiles", None)
+                w.__dict__.pop("_nanoserve_panels", None)
         return self.round_kv(dtype)
 

@@ -21,10 +21,11 @@ weight's format, that takes x and w (`road(x, w)` names it):
   AMX), with the compiled kernels, `kernels.bf16_tiles_linear` on the copy of w that `pack` lays out in tiles of
   16 outputs and pairs of inputs (one order for any number of rows, as fp32's tiles); else oneDNN's bf16 product
   for any row count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
-  compiled kernel `kernels.bf16_linear`, which streams the bf16 matrix and widens it (in registers, or once per
-  column panel for many rows), or without kernels x and w widened to fp32 and multiplied on fp32's roads above
-  (torch's own bf16 product reads an [in, out] matrix far slower there). The output stays bf16, widened by
-  whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
+  compiled kernel `kernels.bf16_panels_linear` on the copy of w that `pack` lays out in panels of 16 outputs
+  (`kernels.bf16_linear` on w itself where there is none), which streams the bf16 matrix and widens it (in
+  registers, or once per column panel for many rows), or without kernels x and w widened to fp32 and multiplied
+  on fp32's roads above (torch's own bf16 product reads an [in, out] matrix far slower there). The output stays
+  bf16, widened by whatever reads it in fp32 (RoPE, the residual add), fed as is to the next product.
 - anything else (gradients on, other dtypes, no oneDNN): F.linear.
 
 A weight may also be a `BlockWeight`: GGUF's blocks as the checkpoint ships them (Q4_1, Q8_0: Day 25;
@@ -183,10 +184,10 @@ def bmm_linear(x: Tensor, w: Tensor) -> Tensor:
 
 def pack(w: Tensor, rows: int = PACK_ROWS, tiles: bool = True) -> bool:
     """Keep a copy of w beside it (an attribute of w) for `linear` to read: its tiles (`tiled`) where `TILES` and
-    the kernels are built (a bf16 w: where `bf16_road` is "tiles"), else, or with `tiles` False (`bench layout`
-    compares the two), oneDNN's blocked layout (`packed`, made for `rows` rows). False where there is neither.
-    The copy costs w's bytes again, and is ignored once w is written (its version moves on): it never serves
-    stale weights."""
+    the kernels are built (a bf16 w: where `bf16_road` is "tiles"; its panels, `panels`, where it is "widen"),
+    else, or with `tiles` False (`bench layout` compares the two), oneDNN's blocked layout (`packed`, made for
+    `rows` rows). False where there is none. The copy costs w's bytes again, and is ignored once w is written (its
+    version moves on): it never serves stale weights."""
     if not (w.device.type == "cpu" and w.dim() == 2) or w.is_inference():
         return False  # (an inference tensor keeps no version: a write to it could not be seen)
     if tiles and ((TILES and w.dtype == torch.float32 and kernels.available()) or
@@ -194,6 +195,10 @@ def pack(w: Tensor, rows: int = PACK_ROWS, tiles: bool = True) -> bool:
         with torch.inference_mode(False), torch.no_grad():
             copy = kernels.pack_fp32(w.detach()) if w.dtype == torch.float32 else kernels.pack_bf16(w.detach())
             w._nanoserve_tiles = (w._version, copy)
+        return True
+    if tiles and w.dtype == torch.bfloat16 and bf16_road() == "widen" and kernels.available() and w.shape[0] % 16 == 0:
+        with torch.inference_mode(False), torch.no_grad():
+            w._nanoserve_panels = (w._version, kernels.pack_bf16_panels(w.detach()))
         return True
     if not (ONEDNN and w.dtype in ONEDNN_DTYPES):
         return False
@@ -216,6 +221,12 @@ def tiled(w: Tensor) -> Tensor | None:
     """w's tiles for `kernels.fp32_linear` (or, bf16, `kernels.bf16_tiles_linear`), if it has a current copy."""
     entry = getattr(w, "_nanoserve_tiles", None)
     return entry[1] if entry is not None and entry[0] == w._version and entry[1].dtype == w.dtype else None
+
+
+def panels(w: Tensor) -> Tensor | None:
+    """w's panels for `kernels.bf16_panels_linear` (a bf16 w where `bf16_road` is "widen"), if it has a current copy."""
+    entry = getattr(w, "_nanoserve_panels", None)
+    return entry[1] if entry is not None and entry[0] == w._version else None
 
 
 def onednn_linear(x: Tensor, w: Tensor) -> Tensor:
@@ -391,6 +402,11 @@ def _bf16_widening(x: Tensor, w: Tensor, compiled: bool) -> Tensor:
     return kernels.bf16_linear(_bf16(x).reshape(-1, n_in), w).view(*x.shape[:-1], n_out)
 
 
+def _bf16_panels(x: Tensor, w: Tensor, compiled: bool) -> Tensor:
+    n_out, n_in = w.shape
+    return kernels.bf16_panels_linear(_bf16(x).reshape(-1, n_in), panels(w)).view(*x.shape[:-1], n_out)
+
+
 def _recording(x: Tensor) -> bool:
     """Whether autograd records a product of x (the kernels have no backward)."""
     return x.requires_grad and torch.is_grad_enabled()
@@ -423,6 +439,8 @@ ROADS: dict[str, tuple[Road, ...]] = {
     "bf16": (Road("bf16 tiles", lambda x, w, c: c and _no_grad_cpu(x) and tiled(w) is not None, _bf16_tiles),
              Road("oneDNN bf16", lambda x, w, c: _no_grad_cpu(x) and packed(w) is not None,
                   lambda x, w, c: onednn_linear(_bf16(x), w)),
+             Road("widening kernel, panels", lambda x, w, c: c and _no_grad_cpu(x) and panels(w) is not None,
+                  _bf16_panels),
              Road("widening kernel", lambda x, w, c: c and _no_grad_cpu(x) and bf16_road() == "widen"
                   and w.stride() == (1, w.shape[0]), _bf16_widening),
              Road("widened to fp32", lambda x, w, c: _no_grad_cpu(x) and bf16_road() == "widen",

@@ -183,6 +183,25 @@ def test_bf16_linear_is_the_in_order_fp32_sum_rounded_once_for_any_rows(compiled
         kernels.bf16_linear(x, w.contiguous())
 
 
+@pytest.mark.parametrize("N", [16, 64, 96, 1040])
+def test_bf16_panels_give_bf16_linears_bits_for_any_rows(compiled, N):
+    """The panels packed at load (`pack_bf16_panels`) are the matrix read in another order of bytes, not of sums:
+    bf16_panels_linear gives bf16_linear's bits, and the definition's, for every row count either side of the
+    register tile's 6 and of 48 (where the panel is widened once), whole and partial panels of 64 columns."""
+    g = torch.Generator().manual_seed(N)
+    w = (torch.randn(48, N, generator=g) * 0.1).bfloat16().t()  # (N, 48) stored [in, out], as load() keeps it
+    panels = kernels.pack_bf16_panels(w)
+    assert panels.shape == (N // 16, 48, 16) and torch.equal(panels[-1, :, 3], w[N - 16 + 3])
+    x = torch.randn(53, 48, generator=g) * 3
+    assert torch.equal(kernels.bf16_panels_linear(x, panels), in_order_bf16_product(x, w))
+    for m in [*range(1, 14), *range(47, 53)]:
+        assert torch.equal(kernels.bf16_panels_linear(x[:m], panels), kernels.bf16_linear(x[:m], w)), m
+    with pytest.raises(RuntimeError, match="N a multiple of 16"):
+        kernels.pack_bf16_panels(w[:15])
+    with pytest.raises(RuntimeError, match="x \\(M, K\\) for panels of K inputs"):
+        kernels.bf16_panels_linear(x[:, :40], panels)
+
+
 def sliced_fma_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """fp32_linear's definition in torch: each output the in-order sum of its slices of 64 inputs, each slice a
     chain of fused multiply-adds from 0 (the product is exact in float64, the sum then rounded once to fp32)."""

@@ -232,3 +232,31 @@ def test_every_road_of_the_table_gives_the_product_and_road_names_the_one_taken(
     assert mm.road(x4, w).name == "F.linear"  # gradients on: the one road with a backward
     assert mm.road(x4, w.bfloat16()).name == "F.linear"
     assert mm.road(x4, w.double()).name == "F.linear" and mm.weight_format(w.double()) == "other"
+
+
+def test_a_bf16_matrix_on_the_widening_road_reads_its_panels_for_the_same_bits(monkeypatch):
+    """Where torch's oneDNN takes no bf16 (forced here on any CPU), `pack` gives a bf16 matrix its panels and
+    `linear` reads them: the widening kernel's bits on w itself, for one row and several; written to, w's panels
+    are stale and the road goes back to w."""
+    if not kernels.available():
+        pytest.skip(f"no compiled kernels here: {kernels.unavailable_reason()}")
+    monkeypatch.setattr(mm, "bf16_road", lambda: "widen")
+    g = torch.Generator().manual_seed(3)
+    w = mm.linear_weight(96, 64)
+    with torch.no_grad():
+        w.data = torch.randn(96, 64, generator=g).t().contiguous().t().bfloat16()
+    xs = [torch.randn(1, 64, generator=g), torch.randn(7, 64, generator=g)]
+    with torch.inference_mode():
+        before = [mm.linear(x, w, True) for x in xs]
+        assert mm.road(xs[0], w, True).name == "widening kernel"
+    assert mm.pack(w) and mm.panels(w) is not None and mm.tiled(w) is None
+    with torch.inference_mode():
+        for x, b in zip(xs, before):
+            assert mm.road(x, w, True).name == "widening kernel, panels"
+            assert torch.equal(mm.linear(x, w, True), b)
+        assert mm.road(xs[0], w, False).name == "widened to fp32"  # the kernels off: torch's roads
+    with torch.no_grad():
+        w.mul_(2)
+    assert mm.panels(w) is None
+    with torch.inference_mode():
+        assert mm.road(xs[0], w, True).name == "widening kernel"

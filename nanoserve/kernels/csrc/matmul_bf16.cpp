@@ -163,6 +163,41 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   return out;
 }
 
+// w (N, K) bf16, N a multiple of TILE -> its panels (N / TILE, K, TILE) bf16: tile t's K rows of TILE outputs
+// consecutive, the layout copy_panel makes per task. Packed once at load, a task's panel is one contiguous stretch
+// that the hardware's prefetchers follow, where the [in, out] matrix hands it pieces of 128 bytes N * 2 bytes apart.
+torch::Tensor pack_bf16_panels(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.size(0) % TILE == 0,
+              "pack_bf16_panels: w (N, K) bf16 with N a multiple of 16");
+  return w.view({w.size(0) / TILE, TILE, w.size(1)}).transpose(1, 2).contiguous();
+}
+
+// bf16_linear's sums, in the same order (the same bits), with w read from its panels (pack_bf16_panels).
+torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous() &&
+                  panels.size(2) == TILE,
+              "bf16_panels_linear: panels (N / 16, K, 16) bf16 from pack_bf16_panels");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == panels.size(1), "bf16_panels_linear: x (M, K) for panels of K inputs");
+  const int64_t M = x.size(0), K = x.size(1), N = panels.size(0) * TILE;
+  const torch::Tensor xr = x.to(torch::kBFloat16).to(torch::kFloat).contiguous();  // x's bf16 numbers
+  torch::Tensor out = torch::empty({M, N}, x.options().dtype(torch::kBFloat16));
+  const float* xp = xr.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_each_task<std::vector<float>>((N + PANEL - 1) / PANEL, [&](int64_t p, std::vector<float>& wide) {
+    const int64_t j0 = p * PANEL, width = std::min(PANEL, N - j0);
+    const uint16_t* panel = wp + j0 * K;  // the tiles j0 / TILE .. of K x TILE numbers each
+    if (M >= WIDE_ROWS) {  // many rows: widened once, as bf16_linear does
+      wide.resize(K * PANEL);
+      for (int64_t e = 0; e < width * K; ++e) wide[e] = widen(panel[e]);
+      panel_rows(xp, M, K, wide.data(), width, N, op + j0);
+    } else {
+      panel_rows(xp, M, K, panel, width, N, op + j0);
+    }
+  });
+  return out;
+}
+
 // On a CPU with AVX512_BF16 (nanoserve/model/matmul.py's "tiles" road for bf16 matrices): w read from a copy in
 // tiles (`pack_bf16`), the weights of TILE consecutive outputs for K / 2 pairs of inputs, a pair's two weights
 // side by side, so that one 64-byte load holds a pair of inputs for 16 outputs. AVX512_BF16's vdpbf16ps adds a

@@ -71,6 +71,9 @@ torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Ten
 bool prompt_attention_bf16_here();
 // x @ w.T for a bf16 matrix stored [in, out] (matmul_bf16.cpp).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w);
+// The same from its panels, packed once at load (matmul_bf16.cpp).
+torch::Tensor pack_bf16_panels(torch::Tensor w);
+torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels);
 // x @ w.T for a bf16 matrix from its tiled copy, on AVX512_BF16's pair products (matmul_bf16.cpp).
 torch::Tensor pack_bf16(torch::Tensor w);
 torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
