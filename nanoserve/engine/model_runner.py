@@ -40,7 +40,7 @@ class ModelRunner:
     `attention.paged`), else the default. `batch_invariant`: a request gets the same bits alone as beside others
     (its seeded samples too): a step of one token runs as a step of several, unless its products give one row
     those bits already (`DecoderLM.one_row_same_bits`: the tiles, fp32 on x86 CPUs or bf16 on AVX512_BF16 ones,
-    or the GGUF block kernels).
+    bf16's panels on other x86 CPUs, or the GGUF block kernels).
     `compiled_step`: a model on GGUF blocks or on tiles runs its steps as one compiled call where it can
     (`model.compiled`: the same logits, bit for bit, without the Python between the calls); False never."""
 
