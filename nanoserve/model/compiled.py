@@ -9,13 +9,13 @@ LM head at each request's last token. Its logits are the Python forward's bit fo
 
 It applies to a model whose every matrix is a `BlockWeight` (`model.gguf_weights`; each takes the product
 `linear` gives it, on fp32 or int8 activations) or a matrix with its tiles (`matmul.tiled`, `Llama.pack_weights`:
-fp32 on x86 CPUs; bf16, every matrix of a `cast_matrices` model, on AVX512_BF16 ones, each product then taking
-and giving bf16 as `linear` does) of a multiple of 16 outputs, with the compiled kernels on; the weights as they
-are when the step is made (a matrix written later leaves its tiles behind, and the step with them). And to
-every step on an fp32 K/V pool: decode tokens, chunks after a cached context, whole prompts, which the paged
-kernel computes as it does any row. On a bf16 pool a whole prompt's attention takes a kernel with bf16 products
-(`attention.causal.bf16_prompt_attention`) that this call does not have, so a step holding one runs the Python
-forward.
+fp32 on x86 CPUs; bf16, every matrix of a `cast_matrices` model, on AVX512_BF16 ones, or its panels on the other
+x86 CPUs, `matmul.panels`, each product then taking and giving bf16 as `linear` does) of a multiple of 16
+outputs, with the compiled kernels on; the weights as they are when the step is made (a matrix written later
+leaves its tiles behind, and the step with them). And to every step on an fp32 K/V pool: decode tokens, chunks
+after a cached context, whole prompts, which the paged kernel computes as it does any row. On a bf16 pool a whole
+prompt's attention takes a kernel with bf16 products (`attention.causal.bf16_prompt_attention`) that this call
+does not have, so a step holding one runs the Python forward.
 
     >>> step = BlockStep.of(model)                       # None unless on blocks or tiles  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
@@ -29,7 +29,7 @@ from torch import Tensor
 from .. import kernels
 from ..attention.metadata import AttentionMetadata
 from .llama import Llama
-from .matmul import BlockWeight, tiled
+from .matmul import BlockWeight, panels, tiled
 
 NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
 
@@ -42,11 +42,11 @@ def applies(md: AttentionMetadata, bf16_pool: bool = False) -> bool:
 
 def _stepped(w: Tensor | BlockWeight) -> bool:
     """Whether the compiled step multiplies by w: GGUF blocks, or an fp32 or bf16 matrix's tiles, whole tiles
-    only (bf16: an even number of inputs, which its tiles take in pairs)."""
+    only (bf16: an even number of inputs, which its tiles take in pairs), or a bf16 matrix's panels."""
     if isinstance(w, BlockWeight):
         return True
     whole = w.shape[0] % 16 == 0 and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0))
-    return whole and tiled(w) is not None
+    return (whole and tiled(w) is not None) or panels(w) is not None
 
 
 def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
@@ -54,7 +54,9 @@ def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
     blocks' packed copy (or none)."""
     if isinstance(w, BlockWeight):
         return w.blocks, w.fmt, w.activations == "int8", p if (p := w.int8_packed()) is not None else NO_PACKED
-    return tiled(w), "f32" if w.dtype == torch.float32 else "bf16", False, NO_PACKED
+    if (t := tiled(w)) is not None:
+        return t, "f32" if w.dtype == torch.float32 else "bf16", False, NO_PACKED
+    return panels(w), "bf16-panels", False, NO_PACKED
 
 
 class BlockStep:
@@ -74,7 +76,8 @@ class BlockStep:
                 or not isinstance(model.embed, BlockWeight | Tensor):
             return None
         weights, fmts, int8, packed = zip(*map(_held, mats))
-        if "bf16" in fmts and set(fmts) != {"bf16"}:  # bf16 products take and give bf16: all of them, or none
+        bf16 = {f for f in fmts if f.startswith("bf16")}
+        if bf16 and set(fmts) != bf16:  # bf16 products take and give bf16: all of them, or none
             return None
         norms = [n for blk in model.layers for n in (blk.attn_norm, blk.mlp_norm)] + [model.norm]
         cfg, embed = model.cfg, model.embed

@@ -1,9 +1,11 @@
 """The compiled step of a model on blocks or tiles (`model.compiled`): the Python forward's logits bit for bit, on
 whole prompts, decode steps and chunks after a cached context, ragged batches, any block size, blocks on fp32 or
-int8 activations, fp32 or bf16 tiles; the same K/V written into the pool; whole prompts on a bf16 pool and models
-off blocks and tiles left to the Python forward; bad metadata refused by name."""
+int8 activations, fp32 or bf16 tiles, bf16 panels; the same K/V written into the pool; whole prompts on a bf16
+pool and models off blocks and tiles left to the Python forward; bad metadata refused by name."""
 
 import os
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -16,20 +18,26 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.kernels import int8
 from nanoserve.kv import BlockManager, KVStorage
 from nanoserve.model import Llama
+from nanoserve.model import matmul as mm
 from nanoserve.model.compiled import BlockStep, applies
 from nanoserve.model.gguf_weights import set_activations, to_blocks
 from nanoserve.model.matmul import tiled
 
 
-@pytest.fixture(scope="module", params=["fp32", "int8", "int8, bf16 K/V", "fp32 tiles", "bf16 tiles"])
+@pytest.fixture(scope="module",
+                params=["fp32", "int8", "int8, bf16 K/V", "fp32 tiles", "bf16 tiles", "bf16 panels"])
 def tiny_blocks(request, tiny_cfg, compiled):
     """A tiny model on blocks, its products on fp32 activations, then on int8 ones, then with a bf16 K/V cache;
-    then an fp32 model with its tiles (x86 CPUs only), and a bf16 one with its (AVX512_BF16 only)."""
-    if request.param.endswith("tiles"):
+    then an fp32 model with its tiles (x86 CPUs only), a bf16 one with its (AVX512_BF16 only), and a bf16 one with
+    the panels of a CPU whose oneDNN takes no bf16 (`bf16_road` "widen", forced: any x86 CPU)."""
+    if request.param.endswith(("tiles", "panels")):
         model = Llama.random(tiny_cfg, seed=5)
-        if request.param == "bf16 tiles":
+        if request.param != "fp32 tiles":
             model.cast_matrices(torch.bfloat16)
-        if not model.pack_weights() or tiled(model.layers[0].wqkv) is None:
+        with mock.patch.object(mm, "bf16_road", lambda: "widen") if request.param == "bf16 panels" else nullcontext():
+            packed = model.pack_weights()
+        held = tiled if request.param.endswith("tiles") else mm.panels
+        if not packed or held(model.layers[0].wqkv) is None:
             pytest.skip(f"no {request.param} on this CPU")
         return model
     model = to_blocks(Llama.random(tiny_cfg, seed=5), activations=request.param.split(",")[0])

@@ -62,19 +62,20 @@ inline void store(__m256 lo, __m256 hi, uint16_t* out) {
 }
 
 // One row's two sums, written out for each of the tile's rows so that all twelve stay in registers.
-#define NANOSERVE_ROW(k)                                 \
-  if constexpr (R > k) {                                 \
-    const __m256 s = _mm256_broadcast_ss(x + k * K + i); \
-    lo##k = _mm256_fmadd_ps(s, a, lo##k);                \
-    hi##k = _mm256_fmadd_ps(s, b, hi##k);                \
+#define NANOSERVE_ROW(k)                                  \
+  if constexpr (R > k) {                                  \
+    const __m256 s = _mm256_set1_ps(widen(x[k * K + i])); \
+    lo##k = _mm256_fmadd_ps(s, a, lo##k);                 \
+    hi##k = _mm256_fmadd_ps(s, b, hi##k);                 \
   }
 #define NANOSERVE_STORE(k) \
   if constexpr (R > k) store(lo##k, hi##k, out + k * N);
 
-// R rows of x (K each) times one tile (K rows of TILE weights, consecutive): R x TILE outputs in bf16, rows N apart.
-// s * a is exact, so each fused multiply-add rounds once, as a multiply then an add would.
-template <int R, typename P>
-void tile(const float* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
+// R rows of x (K each, bf16 numbers held as fp32 or as bf16) times one tile (K rows of TILE weights, consecutive):
+// R x TILE outputs in bf16, rows N apart. s * a is exact, so each fused multiply-add rounds once, as a multiply then
+// an add would.
+template <int R, typename P, typename X>
+void tile(const X* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
   __m256 lo0, hi0, lo1, hi1, lo2, hi2, lo3, hi3, lo4, hi4, lo5, hi5;
   lo0 = hi0 = lo1 = hi1 = lo2 = hi2 = lo3 = hi3 = lo4 = hi4 = lo5 = hi5 = _mm256_setzero_ps();
   for (int64_t i = 0; i < K; ++i, wt += TILE) {
@@ -85,29 +86,29 @@ void tile(const float* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
 }
 #else
 // The same sums, a row and a column at a time (the compiler vectorizes what it can).
-template <int R, typename P>
-void tile(const float* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
+template <int R, typename P, typename X>
+void tile(const X* x, int64_t K, const P* wt, int64_t N, uint16_t* out) {
   float sums[R][TILE] = {};
   for (int64_t i = 0; i < K; ++i)
     for (int r = 0; r < R; ++r)
-      for (int l = 0; l < TILE; ++l) sums[r][l] += x[r * K + i] * widen(wt[i * TILE + l]);
+      for (int l = 0; l < TILE; ++l) sums[r][l] += widen(x[r * K + i]) * widen(wt[i * TILE + l]);
   for (int r = 0; r < R; ++r)
     for (int l = 0; l < TILE; ++l) out[r * N + l] = narrow_bf16(sums[r][l]);
 }
 #endif
 
 // R rows times every tile of a copied panel.
-template <int R, typename P>
-void tiles(const float* x, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* out) {
+template <int R, typename P, typename X>
+void tiles(const X* x, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* out) {
   for (int64_t t = 0; t * TILE < width; ++t) tile<R>(x, K, panel + t * K * TILE, N, out + t * TILE);
 }
 
 // Every row of x times a task's panel, columns j0 .. j0 + width: groups of ROWS, then the rest.
-template <typename P>
-void panel_rows(const float* xp, int64_t M, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* op) {
+template <typename P, typename X>
+void panel_rows(const X* xp, int64_t M, int64_t K, const P* panel, int64_t width, int64_t N, uint16_t* op) {
   int64_t r = 0;
   for (; r + ROWS <= M; r += ROWS) tiles<ROWS>(xp + r * K, K, panel, width, N, op + r * N);
-  const float* rest = xp + r * K;
+  const X* rest = xp + r * K;
   uint16_t* o = op + r * N;
   switch (M - r) {
     case 5: tiles<5>(rest, K, panel, width, N, o); break;
@@ -172,6 +173,32 @@ torch::Tensor pack_bf16_panels(torch::Tensor w) {
   return w.view({w.size(0) / TILE, TILE, w.size(1)}).transpose(1, 2).contiguous();
 }
 
+namespace {
+
+// bf16_panels_linear on raw numbers (step.cpp too): x (M, K) bf16 numbers, held as fp32 or as bf16, times the panels
+// of N outputs -> out (M, N) bf16. A task takes PANEL columns: with WIDE_ROWS rows or more, its panel widened once.
+template <typename X>
+void panels_product(const uint16_t* wp, int64_t N, int64_t K, const X* xp, int64_t M, uint16_t* op, Team* team) {
+  for_each_task<std::vector<float>>(team, (N + PANEL - 1) / PANEL, [&](int64_t p, std::vector<float>& wide) {
+    const int64_t j0 = p * PANEL, width = std::min(PANEL, N - j0);
+    const uint16_t* panel = wp + j0 * K;  // the tiles j0 / TILE .. of K x TILE numbers each
+    if (M >= WIDE_ROWS) {
+      wide.resize(K * PANEL);
+      for (int64_t e = 0; e < width * K; ++e) wide[e] = widen(panel[e]);
+      panel_rows(xp, M, K, wide.data(), width, N, op + j0);
+    } else {
+      panel_rows(xp, M, K, panel, width, N, op + j0);
+    }
+  });
+}
+
+}  // namespace
+
+void bf16_panels_product(const uint16_t* panels, int64_t N, int64_t K, const uint16_t* x, int64_t M, uint16_t* out,
+                         Team* team) {
+  panels_product(panels, N, K, x, M, out, team);
+}
+
 // bf16_linear's sums, in the same order (the same bits), with w read from its panels (pack_bf16_panels).
 torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels) {
   TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == torch::kBFloat16 && panels.is_contiguous() &&
@@ -184,17 +211,7 @@ torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels) {
   const float* xp = xr.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for_each_task<std::vector<float>>((N + PANEL - 1) / PANEL, [&](int64_t p, std::vector<float>& wide) {
-    const int64_t j0 = p * PANEL, width = std::min(PANEL, N - j0);
-    const uint16_t* panel = wp + j0 * K;  // the tiles j0 / TILE .. of K x TILE numbers each
-    if (M >= WIDE_ROWS) {  // many rows: widened once, as bf16_linear does
-      wide.resize(K * PANEL);
-      for (int64_t e = 0; e < width * K; ++e) wide[e] = widen(panel[e]);
-      panel_rows(xp, M, K, wide.data(), width, N, op + j0);
-    } else {
-      panel_rows(xp, M, K, panel, width, N, op + j0);
-    }
-  });
+  panels_product(wp, N, K, xp, M, op, nullptr);
   return out;
 }
 

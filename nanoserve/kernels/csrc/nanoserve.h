@@ -88,6 +88,9 @@ void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int
                   Team* team = nullptr);
 void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out,
                         Team* team = nullptr);
+// bf16_panels_linear on raw numbers: x (M, K) bf16 times the panels of N outputs -> out (M, N) bf16.
+void bf16_panels_product(const uint16_t* panels, int64_t N, int64_t K, const uint16_t* x, int64_t M, uint16_t* out,
+                         Team* team = nullptr);
 void add_rms_norm_rows_bf16(const float* x, const uint16_t* residual, const float* weight, int64_t n, int64_t C,
                             float eps, float* out, uint16_t* h);
 void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t* out);
@@ -142,6 +145,7 @@ class BlockModel {
     const uint8_t* packed = nullptr;  // int8 on an x86 road: the same blocks packed (pack_blocks_int8)
     const float* tiles = nullptr;     // fmt "f32": the fp32 matrix's tiles (rows / 16 of them), not blocks
     const uint16_t* bf16_tiles = nullptr;  // fmt "bf16": a bf16 matrix's tiles of pairs (pack_bf16)
+    const uint16_t* bf16_panels = nullptr;  // fmt "bf16-panels": its panels (pack_bf16_panels), any x86 CPU
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;

@@ -1,4 +1,4 @@
-// A model held on GGUF blocks or on tiles (fp32 or bf16), stepped by one call (nanoserve/model/compiled.py says
+// A model held on GGUF blocks or on tiles (fp32 or bf16; bf16's panels), stepped by one call (nanoserve/model/compiled.py says
 // when it runs and why): the embedding rows, every layer of the Python forward (model/llama.py, Block.forward),
 // then the LM head at each request's last token. It runs the loops the Python forward reaches, in the same order,
 // on the same rows, so its logits are that forward's bit for bit; what it saves is the Python and the tensor
@@ -17,7 +17,8 @@
 namespace {
 
 int64_t block_bytes(const std::string& fmt, const char* what, int64_t i) {
-  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt, "' is not q4_1, q8_0, f32 or bf16");
+  TORCH_CHECK(fmt == "q4_1" || fmt == "q8_0", what, " ", i, ": fmt '", fmt,
+              "' is not q4_1, q8_0, f32, bf16 or bf16-panels");
   return fmt == "q4_1" ? 20 : 34;
 }
 
@@ -71,6 +72,17 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
       bf16_ = true;
       return m;
     }
+    if (fmt == "bf16-panels") {
+      TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.dim() == 3 && t.is_contiguous() && t.size(1) == cols &&
+                      t.size(2) == TILE,
+                  what, " ", i, ": expected the contiguous bf16 panels (outputs / 16, ", cols, ", 16) of "
+                  "pack_bf16_panels, got ", t.scalar_type(), " ", t.sizes());
+      keep_.push_back(t);
+      Matrix m{nullptr, false, t.size(0) * TILE, cols, false, nullptr};
+      m.bf16_panels = static_cast<const uint16_t*>(t.data_ptr());
+      bf16_ = true;
+      return m;
+    }
     const int64_t bytes = block_bytes(fmt, what, i);
     TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % 32 == 0 &&
                     t.size(1) == cols / 32 * bytes,
@@ -114,7 +126,8 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   }
   mats_.push_back(matrix(blocks[4 * L_], fmts[4 * L_], C_, "blocks", 4 * L_));
   for (size_t i = 0; i < mats_.size(); ++i)
-    TORCH_CHECK(!bf16_ || mats_[i].bf16_tiles, "blocks ", i, ": a bf16 model's matrices are all bf16 tiles");
+    TORCH_CHECK(!bf16_ || mats_[i].bf16_tiles || mats_[i].bf16_panels, "blocks ", i,
+                ": a bf16 model's matrices are all bf16 tiles or panels");
   for (size_t i = 0; i < mats_.size(); ++i) {
     TORCH_CHECK(!int8[i] || mats_[i].blocks, "int8 ", i, ": int8 activations are for a matrix of blocks, not tiles");
     mats_[i].int8 = int8[i];
@@ -239,7 +252,8 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
     if (v0 < v1) part = argmax_range(row, v0, v1);
   };
   auto bf16_product = [](const Matrix& w, const uint16_t* x, int64_t rows, uint16_t* out, Team* team) {
-    bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out, team);
+    if (w.bf16_panels) bf16_panels_product(w.bf16_panels, w.rows, w.cols, x, rows, out, team);
+    else bf16_tiles_product(w.bf16_tiles, w.rows / TILE, w.cols / 2, x, rows, out, team);
   };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out, Team* team) {
     if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out, team);
