@@ -919,7 +919,7 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
     const int64_t T = qsl[r + 1] - qsl[r];
     TORCH_CHECK(T >= 1, "request ", r, ": no query rows (query_start_loc must increase)");
     TORCH_CHECK(lens[r] >= T && lens[r] <= W * BS, "request ", r, ": sequence length ", lens[r], " outside ", T,
-                "..", W * BS, " (its ", T, " queries; its table's ", W, " blocks of ", BS, ")");
+                "..", W * BS, " (its ", T, T == 1 ? " query" : " queries", "; its table's ", W, " blocks of ", BS, ")");
     for (int64_t b = low(r, 0) / BS; b < (lens[r] + BS - 1) / BS; ++b)
       TORCH_CHECK(tables[r * W + b] >= 0 && tables[r * W + b] < NB, "request ", r, ": block ", tables[r * W + b],
                   " is not in the pool of ", NB);
