@@ -64,6 +64,22 @@ class DecoderLM(nn.Module):
             return isinstance(w, BlockWeight | RowGroups) or tiled(w) is not None or panels(w) is not None
         return bool(compiled) and all(map(alone, self.matrices()))
 
+    def cast_matrices(self, dtype: torch.dtype) -> DecoderLM:
+        """Hold every matrix (and the token table) in `dtype` and the K/V rounded to it, the norms and the
+        residual stream staying fp32: torch.autocast's bf16, each product on bf16 inputs with fp32 sums,
+        norms, RoPE and softmax in fp32 (a family's forward widens a bf16 product's output, exactly, where fp32
+        reads it). Half the bytes per decode step and per cached token. In place."""
+        if self.block_weights():
+            raise ValueError("a model on GGUF blocks multiplies its blocks in fp32; cast_matrices needs dense weights")
+        with torch.no_grad():
+            for w in {id(w): w for w in [*self.matrices(), self.embed]}.values():
+                assert isinstance(w, nn.Parameter)
+                w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
+                w.__dict__.pop("_nanoserve_packed", None)  # a copy of the old numbers: `pack` anew
+                w.__dict__.pop("_nanoserve_tiles", None)
+                w.__dict__.pop("_nanoserve_panels", None)
+        return self.round_kv(dtype)
+
     def round_kv(self, dtype: torch.dtype) -> DecoderLM:
         """Hold the K/V cache in `dtype` (bf16; fp32 undoes it): q, k and v rounded to its numbers after RoPE, on
         every road, everything else as it was. Half the bytes per cached token, which every decode step reads

@@ -87,13 +87,14 @@ class Gemma3Block(nn.Module):
                 compiled: bool | None = False) -> Tensor:
         """x (B, T, C) -> (B, T, C): x + norm(attention(norm(x))), then that + norm(mlp(norm(that))). `compiled`:
         the products' road (`linear`: the tiles where the model packed them) and the norms' (`add_rms_norm`: the
-        compiled kernel, the residual add in the same pass)."""
+        compiled kernel, the residual add in the same pass). A bf16 product's output (`cast_matrices`) is
+        widened, exactly, before a norm or GeGLU reads it: every number between the products stays fp32."""
         eps = self.cfg.rms_norm_eps
         s_attn, s_post_attn, s_mlp, s_post_mlp, s_q, s_k = one_plus(self, self.NORMS)
         c = bool(compiled)
         h = self.attention(add_rms_norm(x, None, s_attn, eps, c)[1], cos, sin, layer, kv, seen, compiled, s_q, s_k)
-        x, h = add_rms_norm(x, add_rms_norm(h, None, s_post_attn, eps, c)[1], s_mlp, eps, c)
-        return x + add_rms_norm(self.mlp(h, compiled), None, s_post_mlp, eps, c)[1]
+        x, h = add_rms_norm(x, add_rms_norm(h.float(), None, s_post_attn, eps, c)[1], s_mlp, eps, c)
+        return x + add_rms_norm(self.mlp(h, compiled).float(), None, s_post_mlp, eps, c)[1]
 
     def attention(self, h: Tensor, cos: Tensor, sin: Tensor, layer: int, kv: KVBackend, seen: int,
                   compiled: bool | None = False, s_q: Tensor | None = None, s_k: Tensor | None = None) -> Tensor:
@@ -104,7 +105,7 @@ class Gemma3Block(nn.Module):
         if s_q is None or s_k is None:
             s_q, s_k = one_plus(self, self.NORMS)[4:]
         c, eps = bool(compiled), cfg.rms_norm_eps
-        q, k, v = linear(h, self.wqkv, compiled).view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
+        q, k, v = linear(h, self.wqkv, compiled).float().view(B, T, H + 2 * K, D).split([H, K, K], dim=2)
         q = add_rms_norm(q.contiguous(), None, s_q, eps, c)[1]  # QK-norm, each head's D numbers
         k = add_rms_norm(k.contiguous(), None, s_k, eps, c)[1]
         # (B, T, H, D), (B, T, K, D) x 2; with a bf16 cache (`round_kv`), its numbers, q's too, on every road
@@ -116,12 +117,14 @@ class Gemma3Block(nn.Module):
 
     def mlp(self, h: Tensor, compiled: bool | None = False) -> Tensor:
         """GeGLU: gelu_tanh(gate) * up from one product, projected back down. h (B, T, C)."""
-        return linear(gelu_tanh_mul(linear(h, self.w_gate_up, compiled), bool(compiled)), self.w_down, compiled)
+        gate_up = linear(h, self.w_gate_up, compiled).float()
+        return linear(gelu_tanh_mul(gate_up, bool(compiled)), self.w_down, compiled)
 
 
 class Gemma3(DecoderLM):
     """Token ids and their positions in, next-token logits out: Llama's interface (`forward`, `hidden_states`,
-    `logits`), so the no-cache road and the contiguous cache run it unchanged. fp32."""
+    `logits`), so the no-cache road and the contiguous cache run it unchanged. fp32, or bf16 matrices and K/V
+    (`cast_matrices`)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

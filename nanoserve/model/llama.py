@@ -179,19 +179,3 @@ class Llama(DecoderLM):
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
         return model.to(dtype).eval()
-
-    def cast_matrices(self, dtype: torch.dtype) -> Llama:
-        """Hold every matrix (and the token table) in `dtype` and the K/V rounded to it, the norms and the
-        residual stream staying fp32: torch.autocast's bf16, each product on bf16 inputs with fp32 sums,
-        norms, RoPE and softmax in fp32. Half the bytes per decode step and per cached token. In place."""
-        if self.block_weights():
-            raise ValueError("a model on GGUF blocks multiplies its blocks in fp32; cast_matrices needs dense weights")
-        with torch.no_grad():
-            for w in {id(w): w for w in [*self.matrices(), self.embed]}.values():
-                assert isinstance(w, nn.Parameter)
-                w.data = w.data.to(dtype)  # keeps the [in, out] layout (strides preserved)
-                w.__dict__.pop("_nanoserve_packed", None)  # a copy of the old numbers: `pack` anew
-                w.__dict__.pop("_nanoserve_tiles", None)
-                w.__dict__.pop("_nanoserve_panels", None)
-        return self.round_kv(dtype)
-

@@ -99,8 +99,8 @@ def load_model(
 ) -> Llama:
     """The model of the folder's architecture (`ModelRegistry`) with its weights, in eval mode. A `Llama` with
     `pack` also gets oneDNN's blocked copies of its matrices (`Llama.pack_weights`: faster, the weights' memory
-    again); `dtype` bfloat16 holds its matrices and K/V in bf16 (`Llama.cast_matrices`), the rest in fp32.
-    Another family reads its own tensor names (`hf_shapes`, `load_hf_state`) and runs fp32.
+    again); `dtype` bfloat16 holds its matrices and K/V in bf16 (`cast_matrices`), the rest in fp32.
+    Another family reads its own tensor names (`hf_shapes`, `load_hf_state`).
 
     >>> model = load_model(fetch.default_model_dir())   # doctest: +SKIP
     """
@@ -109,10 +109,12 @@ def load_model(
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     cfg = cfg or ModelConfig.from_folder(folder)
     cls = ModelRegistry.resolve_model_cls(cfg.architecture)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
     if cls is not Llama:
-        if dtype != torch.float32:
-            raise ValueError(f"{cfg.architecture} runs in float32 so far; dtype={dtype} is not possible")
         model = cls(cfg).load_hf_state(load_state(folder, cfg, cls.hf_shapes(cfg)))
+        if dtype != torch.float32:
+            model.cast_matrices(dtype)
         if pack:
             model.pack_weights()
         return model
@@ -131,8 +133,6 @@ def load_model(
             blk.wo.copy_(sd[p + "self_attn.o_proj.weight"])
             blk.w_gate_up.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
             blk.w_down.copy_(sd[p + "mlp.down_proj.weight"])
-    if dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"dtype={dtype}: expected torch.float32 or torch.bfloat16")
     model = model.eval() if dtype == torch.float32 else model.cast_matrices(dtype).eval()
     if pack:
         model.pack_weights()
