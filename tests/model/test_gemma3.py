@@ -210,6 +210,21 @@ def _cached_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[torch
     return tokens, steps
 
 
+def _engine_gives_cached_greedy(llm, model, tok) -> None:
+    """The engine's paged road (`llm`) gives the contiguous cache's greedy tokens for `model` on the short prompt and
+    the 1,547-token one (decoding past the window), up to a near-tie; nothing left in its pool."""
+    from nanoserve import SamplingParams
+    from nanoserve.teach.reference import assert_same_greedy
+
+    for name in ("plain", "long_prose"):
+        text, n = GEMMA_PROMPTS[name]
+        with torch.inference_mode():
+            ref_tokens, ref_logits = _cached_greedy(model, tok.encode(text), n)
+        out = llm.generate([text], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+        assert assert_same_greedy(out.outputs[0].token_ids, ref_tokens, ref_logits) >= 4, name
+    llm.engine.check_idle()
+
+
 def test_gemma_prompts_are_long_where_they_must_be(gemma_tok):
     lengths = {name: len(gemma_tok.encode(text)) for name, (text, _) in GEMMA_PROMPTS.items()}
     assert lengths["long_prose"] > 1500 and lengths["long_list"] > 1500, lengths
@@ -286,8 +301,7 @@ def test_gemma_in_bf16_near_transformers_and_its_engine_gives_its_cached_greedy_
     paged engine on its bf16 pool (chunks crossing the window's edge) gives the contiguous cache's greedy tokens
     for the same bf16 model, up to a near-tie."""
     import nanoserve
-    from nanoserve import LLM, SamplingParams
-    from nanoserve.teach.reference import assert_same_greedy
+    from nanoserve import LLM
 
     bf16, _ = nanoserve.load("gemma3-270m", dtype="bfloat16")
     assert bf16.matrix_dtype == "bfloat16" and bf16.kv_dtype == torch.bfloat16
@@ -297,13 +311,7 @@ def test_gemma_in_bf16_near_transformers_and_its_engine_gives_its_cached_greedy_
     assert err < BF16_TOL, err
     llm = LLM(gemma_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256)
     assert llm.engine.runner.storage.k.dtype == torch.bfloat16
-    for name in ("plain", "long_prose"):
-        text, n = GEMMA_PROMPTS[name]
-        with torch.inference_mode():
-            ref_tokens, ref_logits = _cached_greedy(bf16, gemma_tok.encode(text), n)
-        out = llm.generate([text], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
-        assert assert_same_greedy(out.outputs[0].token_ids, ref_tokens, ref_logits) >= 4, name
-    llm.engine.check_idle()
+    _engine_gives_cached_greedy(llm, bf16, gemma_tok)
 
 
 def test_gemma_with_a_bf16_cache_keeps_its_tokens_on_every_road(gemma, gemma_tok):
@@ -312,8 +320,7 @@ def test_gemma_with_a_bf16_cache_keeps_its_tokens_on_every_road(gemma, gemma_tok
     paged engine on the bf16 pool (its sliding layers on the compiled window, which widens the pool's numbers
     exactly) gives the contiguous cache's greedy tokens for the same rounded model, up to a near-tie."""
     import nanoserve
-    from nanoserve import LLM, SamplingParams
-    from nanoserve.teach.reference import assert_same_greedy
+    from nanoserve import LLM
 
     kv16, _ = nanoserve.load("gemma3-270m", kv_cache_dtype="bfloat16")
     assert kv16.kv_dtype == torch.bfloat16 and gemma.kv_dtype == torch.float32
@@ -323,10 +330,4 @@ def test_gemma_with_a_bf16_cache_keeps_its_tokens_on_every_road(gemma, gemma_tok
     llm = LLM("gemma3-270m", kv_cache_dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=256)
     storage = llm.engine.runner.storage
     assert storage.k.dtype == torch.bfloat16
-    for name in ("plain", "long_prose"):
-        text, n = GEMMA_PROMPTS[name]
-        with torch.inference_mode():
-            ref_tokens, ref_logits = _cached_greedy(kv16, gemma_tok.encode(text), n)
-        out = llm.generate([text], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
-        assert assert_same_greedy(out.outputs[0].token_ids, ref_tokens, ref_logits) >= 4, name
-    llm.engine.check_idle()
+    _engine_gives_cached_greedy(llm, kv16, gemma_tok)
