@@ -206,9 +206,9 @@ torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels) {
               "bf16_panels_linear: panels (N / 16, K, 16) bf16 from pack_bf16_panels");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == panels.size(1), "bf16_panels_linear: x (M, K) for panels of K inputs");
   const int64_t M = x.size(0), K = x.size(1), N = panels.size(0) * TILE;
-  const torch::Tensor xr = x.to(torch::kBFloat16).to(torch::kFloat).contiguous();  // x's bf16 numbers
+  const torch::Tensor xb = x.to(torch::kBFloat16).contiguous();  // x's bf16 numbers, read as they are
   torch::Tensor out = torch::empty({M, N}, x.options().dtype(torch::kBFloat16));
-  const float* xp = xr.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(panels.data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   panels_product(wp, N, K, xp, M, op, nullptr);

@@ -17,7 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prompt_attention_bf16", &prompt_attention_bf16, nogil, "a whole prompt's causal attention, bf16 products");
   m.def("prompt_attention_bf16_here", &prompt_attention_bf16_here, "whether this CPU has AVX512_BF16");
   m.def("bf16_linear", &bf16_linear, nogil, "x @ w.T for a bf16 matrix stored [in, out], fp32 sums, bf16 out");
-  m.def("pack_bf16_panels", &pack_bf16_panels, nogil, "a bf16 matrix (N, K) as panels (N / 16, K, 16), for bf16_panels_linear");
+  m.def("pack_bf16_panels", &pack_bf16_panels, nogil,
+        "a bf16 matrix (N, K) as panels (N / 16, K, 16), for bf16_panels_linear");
   m.def("bf16_panels_linear", &bf16_panels_linear, nogil, "bf16_linear's sums, the matrix read from its panels");
   m.def("pack_bf16", &pack_bf16, nogil, "a bf16 matrix (N, K) as tiles (N / 16, K / 2, 16, 2), for bf16_tiles_linear");
   m.def("bf16_tiles_linear", &bf16_tiles_linear, nogil,
