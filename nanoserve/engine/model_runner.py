@@ -84,7 +84,8 @@ class ModelRunner:
             ids, md = prepare(chunks, self.block_size, num_rows)
         rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
-        if self.block_step is not None and groups is None and applies(md, self.storage.k.dtype == torch.bfloat16):
+        if self.block_step is not None and groups is None and applies(md, self.storage.k.dtype == torch.bfloat16,
+                                                                       self.model.cfg.head_dim):
             logits, self.last_argmax = self.block_step(ids, md, self.storage, rows)
             return logits
         backend = PagedAttention(self.storage, md, self.attention, groups)

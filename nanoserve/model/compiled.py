@@ -14,8 +14,9 @@ x86 CPUs, `matmul.panels`, each product then taking and giving bf16 as `linear` 
 outputs, with the compiled kernels on; the weights as they are when the step is made (a matrix written later
 leaves its tiles behind, and the step with them). And to every step on an fp32 K/V pool: decode tokens, chunks
 after a cached context, whole prompts, which the paged kernel computes as it does any row. On a bf16 pool a whole
-prompt's attention takes a kernel with bf16 products (`attention.causal.bf16_prompt_attention`) that this call
-does not have, so a step holding one runs the Python forward.
+prompt's attention takes a kernel with bf16 products (`attention.causal.bf16_prompt_attention`): this call takes it
+too where the CPU has it (AVX512_BF16); elsewhere that kernel is torch's, and a step holding a whole prompt runs the
+Python forward.
 
     >>> step = BlockStep.of(model)                       # None unless on blocks or tiles  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
@@ -34,10 +35,13 @@ from .matmul import BlockWeight, panels, tiled
 NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
 
 
-def applies(md: AttentionMetadata, bf16_pool: bool = False) -> bool:
-    """Whether a step may run compiled: on an fp32 pool always; on a bf16 pool when no request computes a whole
-    prompt (every one attends over keys already in the cache, which the paged kernel reads where they lie)."""
-    return not bf16_pool or all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host))
+def applies(md: AttentionMetadata, bf16_pool: bool = False, head_dim: int = 0) -> bool:
+    """Whether a step may run compiled: on an fp32 pool always; on a bf16 pool where the compiled kernel with bf16
+    products takes whole prompts of heads of `head_dim` (`kernels.prompt_attention_bf16_here`), or when no request
+    computes a whole prompt (every one attends over keys already in the cache, which the paged kernel reads where
+    they lie)."""
+    return not bf16_pool or all(n == 1 or n < s for n, s in zip(md.query_lens, md.seq_lens_host)) or \
+        kernels.prompt_attention_bf16_here(head_dim)
 
 
 def _stepped(w: Tensor | BlockWeight) -> bool:

@@ -1,7 +1,8 @@
 """The compiled step of a model on blocks or tiles (`model.compiled`): the Python forward's logits bit for bit, on
 whole prompts, decode steps and chunks after a cached context, ragged batches, any block size, blocks on fp32 or
 int8 activations, fp32 or bf16 tiles, bf16 panels; the same K/V written into the pool; whole prompts on a bf16
-pool and models off blocks and tiles left to the Python forward; bad metadata refused by name."""
+pool compiled where the CPU has their bf16 kernel, else, and models off blocks and tiles, left to the Python forward;
+bad metadata refused by name."""
 
 import os
 from contextlib import nullcontext
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 import nanoserve
+from nanoserve import kernels
 from nanoserve.attention import Chunk, prepare
 from nanoserve.config import ModelConfig
 from nanoserve.engine import LLMEngine
@@ -143,9 +145,45 @@ def test_a_row_has_the_same_bits_alone_and_in_a_batch(tiny_blocks):
         assert torch.equal(fast.execute([Chunk([7], s, t.blocks)])[0], together[r])
 
 
+@pytest.mark.parametrize("kind", ["bf16 tiles", "int8, bf16 K/V"])
+def test_whole_prompts_on_a_bf16_pool_take_the_bf16_prompt_kernel_in_the_compiled_step(kind, compiled, monkeypatch):
+    """Where the CPU has the prompt kernel with bf16 products, a step holding whole prompts on a bf16 pool runs
+    compiled, beside decode rows and a one-token prompt (the paged kernel's): the Python forward's bits."""
+    cfg = ModelConfig.tiny(head_dim=64)
+    if not kernels.prompt_attention_bf16_here(cfg.head_dim):
+        pytest.skip("no AVX512_BF16: whole prompts on a bf16 pool take the Python forward")
+    model = Llama.random(cfg, seed=7)
+    if kind == "bf16 tiles":
+        model.cast_matrices(torch.bfloat16)
+        if not model.pack_weights() or tiled(model.layers[0].wqkv) is None:
+            pytest.skip("no bf16 tiles on this CPU")
+    else:
+        model = to_blocks(model, activations="int8").round_kv(torch.bfloat16)
+    manager, fast, slow = runners(model, 64, 4)
+    calls = []
+    real = type(fast.block_step).__call__
+    monkeypatch.setattr(type(fast.block_step), "__call__",
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    tables = [manager.new_table() for _ in range(4)]
+    steps = [[(0, list(range(5, 30))), (1, [9]), (2, list(range(40, 52)))],  # whole prompts, one of one token
+             [(0, [31]), (3, list(range(60, 81))), (1, [10, 11])]]  # a decode row, a whole prompt, a chunk
+    for step in steps:
+        chunks = []
+        for r, new in step:
+            start = tables[r].num_tokens
+            manager.append_slots(tables[r], new)
+            chunks.append(Chunk(new, start, tables[r].blocks))
+        _, md = prepare(chunks, manager.block_size)
+        assert applies(md, bf16_pool=True, head_dim=cfg.head_dim)
+        assert torch.equal(fast.execute(chunks), slow.execute(chunks))
+    assert len(calls) == 2  # both steps compiled
+    assert torch.equal(fast.storage.k, slow.storage.k) and torch.equal(fast.storage.v, slow.storage.v)
+
+
 def test_whole_prompts_on_a_bf16_pool_and_models_off_blocks_take_the_python_forward(tiny_model, tiny_blocks):
     _, md = prepare([Chunk([1, 2, 3], 0, [0]), Chunk([4], 5, [1, 2])], 4)
-    assert applies(md) and not applies(md, bf16_pool=True)  # the first request is a whole prompt
+    assert applies(md) and not applies(md, bf16_pool=True)  # the first request is a whole prompt (head_dim 0: no
+    assert not applies(md, bf16_pool=True, head_dim=16)  # kernel; 16: none takes it)
     _, md = prepare([Chunk([1, 2, 3], 2, [0, 1]), Chunk([4], 5, [1, 2])], 4)
     assert applies(md) and applies(md, bf16_pool=True)
     assert BlockStep.of(tiny_model) is None  # fp32 matrices without tiles (never packed)

@@ -898,11 +898,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 
 // paged_attention on raw pointers, for a caller that has checked the tensors (step.cpp): q (N, H, D), the pools
 // (NB, BS, K, D) of float, or of bf16 if `bf16`, the step's metadata, and out (N, H * D). Each request's lengths
-// and block ids are checked here.
+// and block ids are checked here. A request marked in `skip` is left alone: its rows of out are the caller's.
 void paged_attention_rows(const float* qd, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* qsl, const int64_t* lens,
                           const int64_t* tables, int64_t R, int64_t W, double scale, int64_t split_keys,
-                          float* od, Team* team, int64_t window) {
+                          float* od, Team* team, int64_t window, const std::vector<bool>* skip) {
   const int64_t rep = H / K;
   TORCH_CHECK(qsl[0] == 0 && qsl[R] <= N, "query_start_loc: expected to start at 0 and end by row ", N);
   TORCH_CHECK(split_keys >= 0, "split_keys: expected 0 (never split) or a piece size, got ", split_keys);
@@ -925,6 +925,7 @@ void paged_attention_rows(const float* qd, const void* k_pool, const void* v_poo
                   " is not in the pool of ", NB);
     // query i sees lens[r] - T + i + 1 keys: the first `whole` see at most split_keys (all, with split_keys 0)
     // (with a window, every query sees at most window <= split_keys keys)
+    if (skip != nullptr && (*skip)[r]) continue;  // its rows computed by the caller
     const int64_t whole = split_keys > 0 && window == 0 ? std::clamp<int64_t>(split_keys - (lens[r] - T), 0, T) : T;
     for (int64_t i = 0; i < whole; i += TILE) tiles.push_back({r, i, std::min(whole, i + TILE)});
     for (int64_t i = whole; i < T; ++i) split.push_back({r, qsl[r] + i, lens[r] - T + i + 1});

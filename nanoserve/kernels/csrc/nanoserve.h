@@ -41,7 +41,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
 void paged_attention_rows(const float* q, const void* k_pool, const void* v_pool, bool bf16, int64_t N, int64_t H,
                           int64_t D, int64_t NB, int64_t BS, int64_t K, const int64_t* query_start_loc,
                           const int64_t* seq_lens, const int64_t* block_tables, int64_t R, int64_t W, double scale,
-                          int64_t split_keys, float* out, Team* team = nullptr, int64_t window = 0);
+                          int64_t split_keys, float* out, Team* team = nullptr, int64_t window = 0,
+                          const std::vector<bool>* skip = nullptr);
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor blocks, std::string fmt, std::string road);
 torch::Tensor block_dequantize(torch::Tensor blocks, int64_t K, std::string fmt, std::string road);
 std::vector<std::tuple<std::string, std::string, int64_t, int64_t>> block_kernels();

@@ -189,6 +189,17 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
               "block_tables: expected contiguous int64 (", R_req, ", W)");
   const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  // On a bf16 pool a whole prompt (more than one row, nothing cached before it) takes the kernel with bf16 products,
+  // as the Python forward's paged backend gives it (attention/paged.py, compiled_attend), where this CPU has it
+  std::vector<bool> prompt(R_req, false);
+  bool prompts = false;
+  if (kv_bf16_ && prompt_attention_bf16_here() && (D == 64 || D == 128)) {
+    for (int64_t r = 0; r < R_req; ++r) {
+      const int64_t T = qsl[r + 1] - qsl[r];
+      prompt[r] = T > 1 && T == lens[r] && qsl[r + 1] <= n;
+      prompts = prompts || prompt[r];
+    }
+  }
 
   // A decode step runs in one parallel region (Team): its threads meet after each product instead of being
   // forked and joined for each. Each thread keeps its own copy of the rows between products (the residual
@@ -312,8 +323,19 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
         }
       }
       sync(w[1]);
+      if (prompts && (team == nullptr || team->tid == 0)) {  // q, k, v of each whole prompt as rows of qkv
+        const auto view = [&](int64_t r, int64_t col, int64_t heads) {
+          return torch::from_blob(qkv + qsl[r] * HT * D + col, {qsl[r + 1] - qsl[r], heads, D}, {HT * D, D, 1}, f32);
+        };
+        for (int64_t r = 0; r < R_req; ++r) {
+          if (!prompt[r]) continue;
+          const torch::Tensor o = prompt_attention_bf16(view(r, 0, H), view(r, H * D, K), view(r, (H + K) * D, K),
+                                                        scale);
+          std::memcpy(attnp + qsl[r] * H * D, o.data_ptr<float>(), o.numel() * sizeof(float));
+        }
+      }
       paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
-                           R_req, block_tables.size(1), scale, split_keys, attnp, team);
+                           R_req, block_tables.size(1), scale, split_keys, attnp, team, 0, prompts ? &prompt : nullptr);
       sync(w[1]);
       const float* mlp_out = op;
       if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
