@@ -42,7 +42,7 @@ Key = tuple[str, str, int, int]  # (road, weights, batch, context); weights "ggu
 @dataclass(frozen=True)
 class DecodeRow:
     engine: str  # the road
-    weights: str  # fp32, or gguf (the file's Q4_1/Q8_0 blocks)
+    weights: str  # fp32, bf16 (the folder's matrices in bf16, `--bf16`), or gguf (the file's blocks)
     batch: int
     context: int
     step_ms: float
@@ -60,10 +60,13 @@ class DecodeRow:
     step_peak_frac: float = NAN  # the decode step's likewise: compute-bound at large batches, not at batch 1
 
 
-def peak_format(engine: str, activations: str) -> str:
+def peak_format(engine: str, activations: str, weights: str = "fp32") -> str:
     """The number format a road's products multiply in: int8 for the blocks on int8 activations and for llama.cpp
-    (its own int8 activations), fp32 for the rest (fp32 weights, and blocks expanded to fp32 as they are read)."""
-    return "int8" if activations == "int8" or engine == "llama.cpp" else "fp32"
+    (its own int8 activations), bf16 for bf16 weights, fp32 for the rest (fp32 weights, and blocks expanded to fp32
+    as they are read)."""
+    if activations == "int8" or engine == "llama.cpp":
+        return "int8"
+    return "bf16" if weights == "bf16" else "fp32"
 
 
 def weights_key(activations: str = "fp32", kv_cache_dtype: str = "auto") -> str:
@@ -89,7 +92,7 @@ def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tup
         fmt, *options = weights.split("+")
         prefill = statistics.median(batch * context / p for p, _ in per_round)
         activations = "int8" if "int8" in options else "fp32"
-        peak = (peaks or {}).get(peak_format(engine, activations), NAN)
+        peak = (peaks or {}).get(peak_format(engine, activations, fmt), NAN)
         prefill_frac = step_frac = NAN
         if cfg is not None:  # a prompt of `context` tokens per row, its head on the last only; a step one token a row
             prefill_frac = prefill * forward_flops(cfg, context) / context / peak
@@ -103,14 +106,14 @@ def make_rows(runs: dict[Key, list[tuple[float, float]]], weight_bytes: dict[tup
 
 
 def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
-    """nanoserve's tok/s per weights ("fp32", "gguf", "gguf+int8", `weights_key`'s) per batch size at the smallest
-    context."""
+    """nanoserve's tok/s per weights ("fp32", "bf16", "gguf", "gguf+int8", `weights_key`'s) per batch size at the
+    smallest context."""
     mine = [r for r in rows if r.engine == "nanoserve"]
     ctx = min(r.context for r in mine)
     out: dict[str, dict[int, float]] = {}
     for r in sorted(mine, key=lambda r: r.batch):
         if r.context == ctx:
-            key = r.weights if r.weights == "fp32" else weights_key(r.activations, r.kv_cache_dtype)
+            key = r.weights if r.weights in ("fp32", "bf16") else weights_key(r.activations, r.kv_cache_dtype)
             out.setdefault(key, {})[r.batch] = r.tok_s
     return out
 
@@ -211,6 +214,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="what the blocks multiply: fp32 (exact), int8 (llama.cpp's product); several for rows of each")
     ap.add_argument("--kv-cache-dtype", nargs="+", choices=["auto", "bfloat16"], default=["auto"],
                     help="the blocks' K/V cache: auto (fp32), bfloat16 (half its bytes); several for rows of each")
+    ap.add_argument("--bf16", action="store_true",
+                    help="also rows of the folder's matrices in bf16 (load(dtype='bfloat16')), held to the bf16 peak")
     common_arguments(ap, CSV_PATH, contexts=[128, 1024], batch_sizes=[8, 32], steps=32, rounds=3)
 
 
@@ -219,19 +224,21 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     folder = model_folder(args.model)
     models = {"fp32": fp32} | {weights_key(a, kv): load(folder, weights="gguf", activations=a, kv_cache_dtype=kv)[0]
                                for a in args.activations for kv in args.kv_cache_dtype}  # weights key -> the model
+    if args.bf16:
+        models = {"fp32": fp32, "bf16": load(folder, dtype="bfloat16")[0]} | models
     threads, n = torch.get_num_threads(), args.steps
     weight_bytes = {(e, key): m.weight_bytes() for key, m in models.items()
                     for e in ("nanoserve", "nanoserve-py", "nanoserve-engine", "nanoserve-contiguous",
                               "nanoserve-nocache")}
     # the same blocks, the same file (whichever activations and cache were asked for)
-    weight_bytes[("llama.cpp", "gguf")] = next(m.weight_bytes() for key, m in models.items() if key != "fp32")
+    weight_bytes[("llama.cpp", "gguf")] = next(m.weight_bytes() for key, m in models.items() if key.startswith("gguf"))
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[Key, Callable[[], tuple[float, float]]] = {}
     for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
         p = prompts[ctx]
         for key, m in models.items():
             jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
-            if b == 1 and key != "fp32":
+            if b == 1 and key.startswith("gguf"):
                 jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, False)
             if b == 1:  # the public road, beside the bare step above
                 jobs[("nanoserve-engine", key, 1, ctx)] = lambda p=p, m=m: time_road(m, p, n)
@@ -254,7 +261,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         for m in models.values():  # warm up: builds, first allocations
             time_nanoserve(m, prompt_of(tok, 16), 2, 2)
     measured = measure_compute_peaks([threads], best_only=True)  # the formats' peaks at the run's threads
-    peaks = {f: p.ops_s for f in ("fp32", "int8") if (p := matching_peak(measured, f, threads)) is not None}
+    peaks = {f: p.ops_s for f in ("fp32", "int8", "bf16") if (p := matching_peak(measured, f, threads)) is not None}
     meta = csv_header(argv, model=folder.name, steps=n, rounds=args.rounds,
                       read_bandwidth_gb_s=f"{bandwidth / 1e9:.2f}", block_product=quant.describe(),
                       int8_road=int8.int8_road(), llama_cpp=llama_note,

@@ -107,11 +107,12 @@ def test_the_bare_step_and_transformers_give_a_prefill_and_a_step(tmp_path, tiny
 def test_rows_carry_their_prefill_and_step_as_fractions_of_their_formats_peak(tiny_cfg):
     from nanoserve.bench.roofline import forward_flops
 
-    steps = {**STEPS, ("nanoserve", "gguf+int8", 32, 128): 0.050}
+    steps = {**STEPS, ("nanoserve", "gguf+int8", 32, 128): 0.050, ("nanoserve", "bf16", 32, 128): 0.060}
     runs = {key: [(0.5, s)] for key, s in steps.items()}
-    peaks = {"fp32": 1e9, "int8": 4e9}
+    peaks = {"fp32": 1e9, "int8": 4e9, "bf16": 2e9}
+    weight_bytes = {**BYTES, ("nanoserve", "gguf+int8"): 1e8, ("nanoserve", "bf16"): 2.5e8}
     rows = {(r.engine, r.weights, r.activations, r.batch): r
-            for r in decode.make_rows(runs, {**BYTES, ("nanoserve", "gguf+int8"): 1e8}, 20e9, tiny_cfg, peaks)}
+            for r in decode.make_rows(runs, weight_bytes, 20e9, tiny_cfg, peaks)}
     fp32 = rows[("nanoserve", "fp32", "fp32", 32)]
     assert math.isclose(fp32.prefill_peak_frac, 32 * forward_flops(tiny_cfg, 128) / 0.5 / 1e9)
     assert math.isclose(fp32.step_peak_frac, 32 * forward_flops(tiny_cfg, 1, 128) / 0.080 / 1e9)
@@ -119,5 +120,8 @@ def test_rows_carry_their_prefill_and_step_as_fractions_of_their_formats_peak(ti
     assert math.isclose(int8.step_peak_frac, 32 * forward_flops(tiny_cfg, 1, 128) / 0.050 / 4e9)
     assert math.isclose(rows[("llama.cpp", "gguf", "fp32", 1)].step_peak_frac,
                         forward_flops(tiny_cfg, 1, 128) / 0.0125 / 4e9)  # llama.cpp multiplies int8 activations
-    assert all(math.isnan(r.prefill_peak_frac) for r in decode.make_rows(runs, {**BYTES, ("nanoserve", "gguf+int8"):
-                                                                               1e8}, 20e9))  # no peaks measured
+    bf16 = rows[("nanoserve", "bf16", "fp32", 32)]  # bf16 matrices: held to the bf16 peak
+    assert math.isclose(bf16.prefill_peak_frac, 32 * forward_flops(tiny_cfg, 128) / 0.5 / 2e9)
+    assert math.isclose(bf16.step_peak_frac, 32 * forward_flops(tiny_cfg, 1, 128) / 0.060 / 2e9)
+    assert math.isclose(bf16.vs_nanoserve_fp32, 0.080 / 0.060)
+    assert all(math.isnan(r.prefill_peak_frac) for r in decode.make_rows(runs, weight_bytes, 20e9))  # no peaks
