@@ -28,6 +28,11 @@
 // roads): the same bytes, moved once so that weights load as whole registers whose lanes are already one block
 // each, and the integer sums need no permute or horizontal add to reach their lanes. Same integers, same fp32
 // steps: the same bits again, from fewer instructions.
+//
+// From TILED_ROWS rows of x (a prompt, a large batch) the AVX512-VNNI road unpacks each group of four weight rows
+// once into a tile (rows_tiled, krows_tiled): every format has an unpacker into the one layout (Q4_1 and Q8_0 from
+// their packed quads, Q5_0 as Q8_0, Q4_K and Q6_K from their blocks), and one micro-kernel (tstep) multiplies every
+// tile of x rows by it, its fp32 steps those above (group_c's). The bits do not change.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
 
 #include "nanoserve.h"
@@ -59,6 +64,7 @@ constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lan
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
 constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's task: groups of four rows
+constexpr int64_t TILED_ROWS = 16;  // rows of x from which the AVX512-VNNI road unpacks each group once (rows_tiled)
 
 constexpr int64_t K8_BYTES = 40;    // fp32 a, fp32 b, 32 signed bytes: a K-quant group as the 256-bit roads pack it
 
@@ -83,6 +89,7 @@ struct Acts {
   const float* ds;   // (B, ld) d * float(s): what Q4_1's m term multiplies
   const int32_t* s;  // (B, ld)
   int64_t nb, kq, ld;
+  bool biased = false;  // qi holds q + 128 (unsigned bytes): the AVX512-VNNI road's tiled layout (rows_tiled)
 };
 
 // Where block b's first half lies in its row of qi (its second half 64 bytes on).
@@ -550,6 +557,18 @@ void pack_row8(Fmt f, const uint8_t* w, int64_t nb, uint8_t* out) {
   }
 }
 
+// q -> q + 128 (as unsigned bytes: the sign bit flipped), n bytes.
+void bias_bytes(uint8_t* p, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, p + i, 8);
+    v ^= 0x8080808080808080ull;
+    std::memcpy(p + i, &v, 8);
+  }
+  for (; i < n; ++i) p[i] ^= 0x80;
+}
+
 // Each 64-byte half of every quad of quantized x, from (block i, positions 4k..4k+3 at dword 4i + k) to dword
 // 4k + i: chunk k (16 bytes) then holds positions 4k..4k+3 of the quad's four blocks, the order the packed
 // registers' lanes take them in.
@@ -721,9 +740,22 @@ torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std
   if (B == 0 || N == 0) return out;
   const GroupRowsFn rows = f == GFmt::Q5_0 ? group_rows_for<GFmt::Q5_0>(road)
                            : f == GFmt::Q4_K ? group_rows_for<GFmt::Q4_K>(road) : group_rows_for<GFmt::Q6_K>(road);
-  const Quantized z = quantize(x.data_ptr<float>(), B, K, road);
+  Quantized z = quantize(x.data_ptr<float>(), B, K, road);
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
+#ifdef NANOSERVE_INT8_X86
+  if (road.layout == Layout::QUADS && B >= TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles (krows_tiled)
+    transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
+    bias_bytes(z.buffer, B * z.acts.kq);
+    z.acts.biased = true;
+    at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+      const int64_t o0 = 4 * begin, o1 = std::min(N, 4 * end);
+      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
+      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) { rows(w, row_bytes, begin, end, z.acts, B, o, N); });
   return out;
 }
@@ -798,9 +830,13 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   TORCH_CHECK(road.layout != Layout::NONE, "road '", road.name, "' has no packed layout");
   TORCH_CHECK(road.layout == Layout::ROWS || !is_k8(f), "road '", road.name, "' has no packed layout for K-quants");
   const int64_t row_bytes = K / QK * fmt_bytes(f);
-  const Quantized z = quantize(x, B, K, road);
+  Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
+  if (road.layout == Layout::QUADS && B >= TILED_ROWS) {  // the tiled road reads q + 128
+    bias_bytes(z.buffer, B * z.acts.kq);
+    z.acts.biased = true;
+  }
   parallel_rows(team, (N + 3) / 4, GROUPS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS_PER_TASK)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS_PER_TASK), z.acts, B, out, N);
@@ -1107,20 +1143,19 @@ alignas(64) constexpr int32_t SHORT_QUAD[4][16] = {
 
 ROAD_FN __m512i chunk(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-// Quad t (n real blocks, FULL: n = 4) of a packed group at p against R rows of x, into acc[r][U].
-template <Fmt F, int R, int U, bool FULL>
-ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+// Quad t (n real blocks, FULL: n = 4) of a packed group at p -> its weights as unsigned bytes in place (w[k], lane
+// 4j + i; Q4_1: 0..15, Q8_0: w + 128), d and m in their lanes (zero past a short quad's n blocks), and the mask of
+// the real lanes.
+template <Fmt F, bool FULL>
+ROAD_FN __mmask16 punpack(const uint8_t* p, int64_t n, __m512i* w, __m512& dw, __m512& mw) {
   constexpr int REGS = F == Fmt::Q4_1 ? 4 : 8;
   const __mmask16 real = FULL ? 0xffff : static_cast<__mmask16>(0x1111u * ((1u << n) - 1));
   const int64_t reg = FULL ? 64 : 16 * n;
-  for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
-    ROAD_PREFETCH(p + ahead);
   // a short quad's lanes move into place by a plain load and a fixed permute: every row of the model's K = 576
   // ends in one, and an index built in memory per quad (narrow stores read back as one register stall the load)
   // with an expanding load made that quad cost more than a whole one
   const __m512i spread = FULL ? _mm512_setzero_si512() : idx(SHORT_QUAD[n]);
   const __mmask16 stored = first16(4 * n);  // a short quad's compact lanes
-  __m512i w[8];
 #pragma GCC unroll 8
   for (int k = 0; k < REGS; ++k)
     w[k] = FULL ? _mm512_loadu_si512(p + 64 * k)
@@ -1134,7 +1169,6 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
     }
   }
   const uint8_t* h = p + REGS * reg;
-  __m512 dw, mw;
   if constexpr (FULL) {
     dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
     mw = F == Fmt::Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 32))) : dw;
@@ -1144,6 +1178,17 @@ ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_
                                                       _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(stored, h + 8 * n)))
                         : dw;
   }
+  return real;
+}
+
+// Quad t (n real blocks, FULL: n = 4) of a packed group at p against R rows of x, into acc[r][U].
+template <Fmt F, int R, int U, bool FULL>
+ROAD_FN void pstep(const uint8_t* p, int64_t t, int64_t n, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+  for (int64_t ahead = PREFETCH; ahead < PREFETCH + 4 * n * block_bytes<F>(); ahead += 64)  // the quad's lines
+    ROAD_PREFETCH(p + ahead);
+  __m512i w[8];
+  __m512 dw, mw;
+  const __mmask16 real = punpack<F, FULL>(p, n, w, dw, mw);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int8_t* qx = a.qi + (r0 + r) * a.kq + t * QUAD;
@@ -1173,6 +1218,20 @@ ROAD_FN const uint8_t* pquad(const uint8_t* p, int64_t t, int64_t n, const Acts&
   return p + 4 * n * block_bytes<F>();
 }
 
+// Each row's 16 sums (acc[r][0..3], row j at lanes 4j..4j+3) -> row j's result, tree16's adds as whole registers.
+template <int R>
+ROAD_FN void ptree(__m512 (*acc)[4], int rows, float* out, int64_t ldo) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 v = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, v);
+    for (int j = 0; j < rows; ++j) out[r * ldo + j] = lanes[4 * j];
+  }
+}
+
 // A packed group of four weight rows (`rows` of them real) against R rows of x (from row r0): out[r * ldo + j].
 template <Fmt F, int R>
 ROAD_FN void ptile(const uint8_t* p, int rows, const Acts& a, int64_t r0, float* out, int64_t ldo) {
@@ -1194,14 +1253,219 @@ ROAD_FN void ptile(const uint8_t* p, int rows, const Acts& a, int64_t r0, float*
   if (left > 4) p = pquad<F, R, 1>(p, t + 1, std::min<int64_t>(4, left - 4), a, r0, acc);
   if (left > 8) p = pquad<F, R, 2>(p, t + 2, std::min<int64_t>(4, left - 8), a, r0, acc);
   if (left > 12) p = pquad<F, R, 3>(p, t + 3, left - 12, a, r0, acc);
+  ptree<R>(acc, rows, out, ldo);
+}
+
+// ---- the tiled road (many rows of x): a group's quads unpacked once into a tile, then every tile of x rows
+// multiplied by it. A tile's quad is whole registers, nothing left to unpack: the weights as signed bytes (Q4_1's
+// 0..15, Q8_0's own, a K-quant group's integers), each lane's scales a and b in fp32 (group_scales' a and b; Q4_1's
+// d and m), and each lane's -128 * (sum of its first and second half's weights): x arrives as q + 128 (unsigned, as
+// vpdpbusd's other side must be), and the sums start from these so that they end as the same integers. The fp32
+// steps are pstep's and group_c's, lane for lane: the same bits.
+constexpr int64_t TILE_QUAD = 12 * 64;  // bytes of a tile's quad: 8 weight registers, a, b, two starts
+
+template <Fmt F, bool FULL>
+ROAD_FN void tile_quad(const uint8_t* p, int64_t n, uint8_t* out) {
+  __m512i w[8];
+  __m512 dw, mw;
+  punpack<F, FULL>(p, n, w, dw, mw);
+  const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i sum0 = _mm512_setzero_si512(), sum1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (F == Fmt::Q8_0) w[k] = _mm512_xor_si512(w[k], flip);  // w + 128 -> w
+    if (k < 4) sum0 = _mm512_dpbusd_epi32(sum0, ones, w[k]);
+    else sum1 = _mm512_dpbusd_epi32(sum1, ones, w[k]);
+    _mm512_store_si512(out + 64 * k, w[k]);
+  }
+  _mm512_store_ps(out + 512, dw);
+  _mm512_store_ps(out + 576, mw);
+  _mm512_store_si512(out + 640, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum0, 7)));
+  _mm512_store_si512(out + 704, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum1, 7)));
+}
+
+// How a tile's lanes are scaled (group_c's steps): PLAIN c = (a * d) * isum (Q8_0, Q5_0); M, then c + b * ds (Q4_1,
+// Q4_K); HALVES c = (a * d) * isum0, then c + (b * d) * isum1 (Q6_K: a scale each half).
+enum TileMode { PLAIN, M, HALVES };
+
+// Quad t of a tile against R rows of x (q + 128), into acc[r][U]; `real`: the quad's real lanes.
+template <int MODE, int R, int U>
+ROAD_FN void tstep(const uint8_t* q, int64_t t, __mmask16 real, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
+  __m512i w[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) w[k] = _mm512_load_si512(q + 64 * k);
+  const __m512 aw = _mm512_load_ps(q + 512);
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
-    __m512 v = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][2]), _mm512_add_ps(acc[r][1], acc[r][3]));
-    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(3, 2, 3, 2)));
-    v = _mm512_add_ps(v, _mm512_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, v);
-    for (int j = 0; j < rows; ++j) out[r * ldo + j] = lanes[4 * j];
+    const int8_t* qx = a.qi + (r0 + r) * a.kq + t * QUAD;
+    __m512i s0 = _mm512_dpbusd_epi32(_mm512_load_si512(q + 640), chunk(qx), w[0]);
+    __m512i s1 = _mm512_dpbusd_epi32(_mm512_load_si512(q + 704), chunk(qx + 64), w[4]);
+#pragma GCC unroll 3
+    for (int k = 1; k < 4; ++k) {
+      s0 = _mm512_dpbusd_epi32(s0, chunk(qx + 16 * k), w[k]);
+      s1 = _mm512_dpbusd_epi32(s1, chunk(qx + 64 + 16 * k), w[4 + k]);
+    }
+    const int64_t at = (r0 + r) * a.ld + 4 * t;
+    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(a.d + at));
+    __m512 c;
+    if constexpr (MODE == HALVES) {
+      c = _mm512_mul_ps(_mm512_mul_ps(aw, d), _mm512_cvtepi32_ps(s0));
+      c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(q + 576), d), _mm512_cvtepi32_ps(s1)));
+    } else {
+      c = _mm512_mul_ps(_mm512_mul_ps(aw, d), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
+      if constexpr (MODE == M)
+        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(q + 576), _mm512_broadcast_f32x4(_mm_loadu_ps(a.ds + at))));
+    }
+    acc[r][U] = _mm512_mask_add_ps(acc[r][U], real, acc[r][U], c);
+  }
+}
+
+// A tile of `quads` quads (four weight rows, `rows` of them real; the last quad's real lanes `last`) against R rows
+// of x (from row r0): out[r * ldo + j].
+template <int MODE, int R>
+ROAD_FN void ttile(const uint8_t* q, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t r0, float* out,
+                   int64_t ldo) {
+  __m512 acc[R][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
+  const auto real = [&](int64_t t) { return t == quads - 1 ? last : static_cast<__mmask16>(0xffff); };
+  int64_t t = 0;
+  for (; t + 4 <= quads; t += 4, q += 4 * TILE_QUAD) {
+    tstep<MODE, R, 0>(q, t, real(t), a, r0, acc);
+    tstep<MODE, R, 1>(q + TILE_QUAD, t + 1, real(t + 1), a, r0, acc);
+    tstep<MODE, R, 2>(q + 2 * TILE_QUAD, t + 2, real(t + 2), a, r0, acc);
+    tstep<MODE, R, 3>(q + 3 * TILE_QUAD, t + 3, real(t + 3), a, r0, acc);
+  }
+  if (t < quads) tstep<MODE, R, 0>(q, t, real(t), a, r0, acc);
+  if (t + 1 < quads) tstep<MODE, R, 1>(q + TILE_QUAD, t + 1, real(t + 1), a, r0, acc);
+  if (t + 2 < quads) tstep<MODE, R, 2>(q + 2 * TILE_QUAD, t + 2, real(t + 2), a, r0, acc);
+  ptree<R>(acc, rows, out, ldo);
+}
+
+// A group's tile (4 weight rows, `rows` real) against B rows of x from row `first`, four at a time: out[r * ldo + j].
+template <int MODE>
+ROAD_FN void trows(const uint8_t* tile, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t B, float* out,
+                   int64_t ldo, int64_t first = 0) {
+  for (int64_t r0 = first; r0 < first + B; r0 += 4) {
+    const int xr = static_cast<int>(std::min<int64_t>(4, first + B - r0));
+    float* o = out + (r0 - first) * ldo;
+    if (xr == 4) ttile<MODE, 4>(tile, quads, last, rows, a, r0, o, ldo);
+    else if (xr == 3) ttile<MODE, 3>(tile, quads, last, rows, a, r0, o, ldo);
+    else if (xr == 2) ttile<MODE, 2>(tile, quads, last, rows, a, r0, o, ldo);
+    else ttile<MODE, 1>(tile, quads, last, rows, a, r0, o, ldo);
+  }
+}
+
+// This thread's tile buffer, 64-byte aligned, for `quads` quads.
+ROAD_FN uint8_t* tile_buffer(int64_t quads) {
+  thread_local std::vector<uint8_t> kept;
+  if (kept.size() < static_cast<size_t>(quads * TILE_QUAD + 64)) kept.resize(quads * TILE_QUAD + 64);
+  return kept.data() + (64 - reinterpret_cast<uintptr_t>(kept.data()) % 64) % 64;
+}
+
+// Groups whose tiles are held at once, so that a tile of x rows passes over them all while it is in L1: as many as
+// fit in 24 KB (at most a task's four), at least one (a long row's tile alone, x then read from L2 for each group).
+ROAD_FN int64_t tiles_held(int64_t quads) {
+  return std::clamp<int64_t>((24 << 10) / (quads * TILE_QUAD), 1, GROUPS_PER_TASK);
+}
+
+// The real lanes of a last quad of `left` blocks (1..4).
+ROAD_FN __mmask16 quad_lanes(int64_t left) { return static_cast<__mmask16>(0x1111u * ((1u << left) - 1)); }
+
+// Packed groups g0..g1 of a weight of N rows against all B rows of x (q + 128, quads transposed), each group
+// unpacked into a tile first: out[r * N + o].
+template <Fmt F>
+ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t g0, int64_t g1, const Acts& a, int64_t B,
+                        float* out, int64_t N) {
+  const int64_t quads = (a.nb + 3) / 4, left = a.nb - 4 * (quads - 1);  // the last quad's blocks, 1..4
+  const int64_t held = tiles_held(quads);
+  uint8_t* tiles = tile_buffer(quads * held);
+  for (int64_t h = g0; h < g1; h += held) {
+    const int64_t h1 = std::min(g1, h + held);
+    for (int64_t g = h; g < h1; ++g) {
+      const uint8_t* p = packed + g * 4 * row_bytes;
+      uint8_t* tile = tiles + (g - h) * quads * TILE_QUAD;
+      for (int64_t t = 0; t < quads; ++t, p += 16 * block_bytes<F>()) {
+        if (t < quads - 1 || left == 4) tile_quad<F, true>(p, 4, tile + t * TILE_QUAD);
+        else tile_quad<F, false>(p, left, tile + t * TILE_QUAD);
+      }
+    }
+    for (int64_t r0 = 0; r0 < B; r0 += 4)  // a tile of x rows stays in cache while every held group passes over it
+      for (int64_t g = h; g < h1; ++g)
+        trows<F == Fmt::Q4_1 ? M : PLAIN>(tiles + (g - h) * quads * TILE_QUAD, quads, quad_lanes(left),
+                                          static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a,
+                                          std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N, r0);
+  }
+}
+
+// The K-quants' unpacker: weight rows o..o + 3 of Q4_K or Q6_K blocks (`rows` of them real; a missing row repeats
+// the last, its results unstored), each group's integers (group_ints_avx2) and scales (group_scales8) laid out as a
+// tile's quads, lane 4j + i row j's group 4t + i.
+template <GFmt F>
+ROAD_FN void ktile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, uint8_t* tile) {
+  using G = GroupFormat<F>;
+  const int64_t quads = (nb + 3) / 4;
+  thread_local std::vector<int8_t> ints;  // row j's group g at (j * nb + g) * 32
+  thread_local std::vector<float> scales;  // a at j * nb + g, b at (4 + j) * nb + g
+  ints.resize(4 * nb * 32);
+  scales.resize(8 * nb);
+  for (int j = 0; j < 4; ++j) {
+    const uint8_t* row = w + std::min(j, rows - 1) * row_bytes;
+    for (int64_t g = 0; g < nb; g += 8) {
+      group_scales8<F>(row, g, scales.data() + j * nb + g, scales.data() + (4 + j) * nb + g);
+      for (int64_t u = g; u < g + 8; ++u)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(ints.data() + (j * nb + u) * 32),
+                            group_ints_avx2<F>(row + u / G::GROUPS * G::BYTES, static_cast<int>(u % G::GROUPS)));
+    }
+  }
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);  // i
+  const __m512i row = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // j
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t t = 0; t < quads; ++t) {
+    const __mmask16 real = t == quads - 1 ? quad_lanes(nb - 4 * t) : static_cast<__mmask16>(0xffff);
+    const __m512i at = _mm512_add_epi32(_mm512_mullo_epi32(row, _mm512_set1_epi32(static_cast<int>(nb))),
+                                        _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(4 * t))));
+    const __m512i dwords = _mm512_slli_epi32(at, 3);  // each group's first dword
+    uint8_t* out = tile + t * TILE_QUAD;
+    __m512i sum0 = _mm512_setzero_si512(), sum1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+      const __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), real,
+                                                    _mm512_add_epi32(dwords, _mm512_set1_epi32(k)), ints.data(), 4);
+      if (k < 4) sum0 = _mm512_dpbusd_epi32(sum0, ones, v);
+      else sum1 = _mm512_dpbusd_epi32(sum1, ones, v);
+      _mm512_store_si512(out + 64 * k, v);
+    }
+    _mm512_store_ps(out + 512, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real, at, scales.data(), 4));
+    _mm512_store_ps(out + 576, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), real,
+                                                        _mm512_add_epi32(at, _mm512_set1_epi32(static_cast<int>(4 * nb))),
+                                                        scales.data(), 4));
+    _mm512_store_si512(out + 640, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum0, 7)));
+    _mm512_store_si512(out + 704, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum1, 7)));
+  }
+}
+
+// Weight rows o0..o1 (a multiple of four apart, or to N) of K-quant blocks against all B rows of x (q + 128, quads
+// transposed), four rows a tile: out[r * N + o].
+template <GFmt F>
+ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
+                         float* out, int64_t N) {
+  constexpr int MODE = F == GFmt::Q6_K ? HALVES : F == GFmt::Q4_K ? M : PLAIN;
+  const int64_t quads = (a.nb + 3) / 4;
+  const __mmask16 last = quad_lanes(a.nb - 4 * (quads - 1));
+  const int64_t held = tiles_held(quads);
+  uint8_t* tiles = tile_buffer(quads * held);
+  for (int64_t o = o0; o < o1; o += 4 * held) {  // as rows_tiled: the held groups' tiles, then x over them
+    const int64_t groups = std::min<int64_t>(held, (o1 - o + 3) / 4);
+    for (int64_t g = 0; g < groups; ++g)
+      ktile<F>(w + (o + 4 * g) * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, o1 - o - 4 * g)), a.nb,
+               tiles + g * quads * TILE_QUAD);
+    for (int64_t r0 = 0; r0 < B; r0 += 4)
+      for (int64_t g = 0; g < groups; ++g)
+        trows<MODE>(tiles + g * quads * TILE_QUAD, quads, last, static_cast<int>(std::min<int64_t>(4, o1 - o - 4 * g)),
+                    a, std::min<int64_t>(4, B - r0), out + r0 * N + o + 4 * g, N, r0);
   }
 }
 
@@ -1219,6 +1483,11 @@ ROAD_FN void prows_tile(int xr, const uint8_t* packed, int64_t row_bytes, int64_
 // Packed groups g0..g1 of a weight of N rows against all B rows of x (its quads transposed): out[r * N + o].
 __attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* packed, int64_t row_bytes, int64_t g0,
                                                       int64_t g1, const Acts& a, int64_t B, float* out, int64_t N) {
+  if (a.biased) {
+    if (f == Fmt::Q4_1) rows_tiled<Fmt::Q4_1>(packed, row_bytes, g0, g1, a, B, out, N);
+    else rows_tiled<Fmt::Q8_0>(packed, row_bytes, g0, g1, a, B, out, N);
+    return;
+  }
   for (int64_t r0 = 0; r0 < B; r0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, B - r0));
     if (f == Fmt::Q4_1) prows_tile<Fmt::Q4_1>(n, packed, row_bytes, g0, g1, N, a, r0, out + r0 * N, N);
