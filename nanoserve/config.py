@@ -170,8 +170,9 @@ class ModelConfig:
             "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else self.eos_token_id,
             "attention_bias": False, "torch_dtype": "float32",
         }
-        if not gemma:
-            return d | {"hidden_act": "silu", "mlp_bias": False}
+        if not gemma:  # LlamaConfig's own keys among the last ones, in the order SmolLM2's config.json has them
+            return {k: v for k, v in d.items() if k not in ("attention_bias", "torch_dtype")} | {
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32"}
         return d | {
             "rope_local_base_freq": self.rope_local_theta, "sliding_window": self.sliding_window,
             "layer_types": self.layer_types, "query_pre_attn_scalar": self.query_pre_attn_scalar,
