@@ -1344,18 +1344,14 @@ ROAD_FN void ttile(const uint8_t* q, int64_t quads, __mmask16 last, int rows, co
   ptree<R>(acc, rows, out, ldo);
 }
 
-// A group's tile (4 weight rows, `rows` real) against B rows of x from row `first`, four at a time: out[r * ldo + j].
+// A group's tile (4 weight rows, `rows` real) against rows r0..r0 + xr of x (xr <= 4): out[r * ldo + j].
 template <int MODE>
-ROAD_FN void trows(const uint8_t* tile, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t B, float* out,
-                   int64_t ldo, int64_t first = 0) {
-  for (int64_t r0 = first; r0 < first + B; r0 += 4) {
-    const int xr = static_cast<int>(std::min<int64_t>(4, first + B - r0));
-    float* o = out + (r0 - first) * ldo;
-    if (xr == 4) ttile<MODE, 4>(tile, quads, last, rows, a, r0, o, ldo);
-    else if (xr == 3) ttile<MODE, 3>(tile, quads, last, rows, a, r0, o, ldo);
-    else if (xr == 2) ttile<MODE, 2>(tile, quads, last, rows, a, r0, o, ldo);
-    else ttile<MODE, 1>(tile, quads, last, rows, a, r0, o, ldo);
-  }
+ROAD_FN void trows(const uint8_t* tile, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t r0, int64_t xr,
+                   float* out, int64_t ldo) {
+  if (xr == 4) ttile<MODE, 4>(tile, quads, last, rows, a, r0, out, ldo);
+  else if (xr == 3) ttile<MODE, 3>(tile, quads, last, rows, a, r0, out, ldo);
+  else if (xr == 2) ttile<MODE, 2>(tile, quads, last, rows, a, r0, out, ldo);
+  else ttile<MODE, 1>(tile, quads, last, rows, a, r0, out, ldo);
 }
 
 // This thread's tile buffer, 64-byte aligned, for `quads` quads.
@@ -1395,8 +1391,8 @@ ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t g0, in
     for (int64_t r0 = 0; r0 < B; r0 += 4)  // a tile of x rows stays in cache while every held group passes over it
       for (int64_t g = h; g < h1; ++g)
         trows<F == Fmt::Q4_1 ? M : PLAIN>(tiles + (g - h) * quads * TILE_QUAD, quads, quad_lanes(left),
-                                          static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a,
-                                          std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N, r0);
+                                          static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a, r0,
+                                          std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N);
   }
 }
 
@@ -1465,7 +1461,7 @@ ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_
     for (int64_t r0 = 0; r0 < B; r0 += 4)
       for (int64_t g = 0; g < groups; ++g)
         trows<MODE>(tiles + g * quads * TILE_QUAD, quads, last, static_cast<int>(std::min<int64_t>(4, o1 - o - 4 * g)),
-                    a, std::min<int64_t>(4, B - r0), out + r0 * N + o + 4 * g, N, r0);
+                    a, r0, std::min<int64_t>(4, B - r0), out + r0 * N + o + 4 * g, N);
   }
 }
 
