@@ -97,7 +97,7 @@ def test_forward_sweep_rows(tiny_model):
 
 
 def test_every_format_this_cpu_has_a_peak_and_a_bad_road_is_named(compiled):
-    from nanoserve.bench.roofline import ComputePeak, matching_peak, measure_compute_peak, peak_roads
+    from nanoserve.bench.roofline import ComputePeak, best_peaks, matching_peak, measure_compute_peak, peak_roads
 
     roads = peak_roads()
     if not roads:
@@ -117,3 +117,7 @@ def test_every_format_this_cpu_has_a_peak_and_a_bad_road_is_named(compiled):
     assert matching_peak(peaks, "int8", 2).road == "avx-vnni" and matching_peak(peaks, "int8", 1).ops_s == 1e11
     assert matching_peak(peaks, "bf16", 2).format == "fp32"  # widened to fp32 where AVX512_BF16 is not
     assert matching_peak(peaks, "fp32", 4) is None
+    halved = [ComputePeak("fp32", "avx2", 2, 0.5e11), ComputePeak("int8", "avx2", 2, 2.5e11)]  # a core held a while
+    best = {(p.format, p.road, p.threads): p.ops_s for p in best_peaks(peaks, halved)}
+    assert best == {("fp32", "avx2", 2): 1e11, ("int8", "avx2", 2): 2.5e11, ("int8", "avx-vnni", 2): 3e11,
+                    ("int8", "avx2", 1): 1e11}
