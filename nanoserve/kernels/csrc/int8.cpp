@@ -749,9 +749,8 @@ torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std
     bias_bytes(z.buffer, B * z.acts.kq);
     z.acts.biased = true;
     at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t begin, int64_t end) {
-      const int64_t o0 = 4 * begin, o1 = std::min(N, 4 * end);
-      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
-      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
+      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, o, N);
+      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, o, N);
     });
     return out;
   }
@@ -1370,30 +1369,37 @@ ROAD_FN int64_t tiles_held(int64_t quads) {
 // The real lanes of a last quad of `left` blocks (1..4).
 ROAD_FN __mmask16 quad_lanes(int64_t left) { return static_cast<__mmask16>(0x1111u * ((1u << left) - 1)); }
 
-// Packed groups g0..g1 of a weight of N rows against all B rows of x (q + 128, quads transposed), each group
-// unpacked into a tile first: out[r * N + o].
+// Groups g0..g1 (weight rows 4g..4g + 3 of N) against all B rows of x (q + 128, quads transposed): build(g, tile)
+// unpacks group g into a tile (its format's unpacker); the groups' tiles are held as tiles_held allows, and each
+// tile of x rows passes over all the held ones while it is in cache. out[r * N + o].
+template <int MODE, class Build>
+ROAD_FN void tiled_groups(int64_t g0, int64_t g1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build) {
+  const int64_t quads = (a.nb + 3) / 4, held = tiles_held(quads);
+  const __mmask16 last = quad_lanes(a.nb - 4 * (quads - 1));
+  uint8_t* tiles = tile_buffer(quads * held);
+  for (int64_t h = g0; h < g1; h += held) {
+    const int64_t h1 = std::min(g1, h + held);
+    for (int64_t g = h; g < h1; ++g) build(g, tiles + (g - h) * quads * TILE_QUAD);
+    for (int64_t r0 = 0; r0 < B; r0 += 4)
+      for (int64_t g = h; g < h1; ++g)
+        trows<MODE>(tiles + (g - h) * quads * TILE_QUAD, quads, last, static_cast<int>(std::min<int64_t>(4, N - 4 * g)),
+                    a, r0, std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N);
+  }
+}
+
+// Packed groups g0..g1 of a weight of N rows (Q4_1, Q8_0) against all B rows of x, each group's quads unpacked into
+// its tile: out[r * N + o].
 template <Fmt F>
 ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t g0, int64_t g1, const Acts& a, int64_t B,
                         float* out, int64_t N) {
   const int64_t quads = (a.nb + 3) / 4, left = a.nb - 4 * (quads - 1);  // the last quad's blocks, 1..4
-  const int64_t held = tiles_held(quads);
-  uint8_t* tiles = tile_buffer(quads * held);
-  for (int64_t h = g0; h < g1; h += held) {
-    const int64_t h1 = std::min(g1, h + held);
-    for (int64_t g = h; g < h1; ++g) {
-      const uint8_t* p = packed + g * 4 * row_bytes;
-      uint8_t* tile = tiles + (g - h) * quads * TILE_QUAD;
-      for (int64_t t = 0; t < quads; ++t, p += 16 * block_bytes<F>()) {
-        if (t < quads - 1 || left == 4) tile_quad<F, true>(p, 4, tile + t * TILE_QUAD);
-        else tile_quad<F, false>(p, left, tile + t * TILE_QUAD);
-      }
+  tiled_groups<F == Fmt::Q4_1 ? M : PLAIN>(g0, g1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
+    const uint8_t* p = packed + g * 4 * row_bytes;
+    for (int64_t t = 0; t < quads; ++t, p += 16 * block_bytes<F>()) {
+      if (t < quads - 1 || left == 4) tile_quad<F, true>(p, 4, tile + t * TILE_QUAD);
+      else tile_quad<F, false>(p, left, tile + t * TILE_QUAD);
     }
-    for (int64_t r0 = 0; r0 < B; r0 += 4)  // a tile of x rows stays in cache while every held group passes over it
-      for (int64_t g = h; g < h1; ++g)
-        trows<F == Fmt::Q4_1 ? M : PLAIN>(tiles + (g - h) * quads * TILE_QUAD, quads, quad_lanes(left),
-                                          static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a, r0,
-                                          std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N);
-  }
+  });
 }
 
 // The K-quants' unpacker: weight rows o..o + 3 of Q4_K or Q6_K blocks (`rows` of them real; a missing row repeats
@@ -1443,26 +1449,15 @@ ROAD_FN void ktile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, ui
   }
 }
 
-// Weight rows o0..o1 (a multiple of four apart, or to N) of K-quant blocks against all B rows of x (q + 128, quads
-// transposed), four rows a tile: out[r * N + o].
+// Groups g0..g1 of a weight of N rows of K-quant blocks against all B rows of x, each group unpacked by ktile:
+// out[r * N + o].
 template <GFmt F>
-ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
+ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t g0, int64_t g1, const Acts& a, int64_t B,
                          float* out, int64_t N) {
   constexpr int MODE = F == GFmt::Q6_K ? HALVES : F == GFmt::Q4_K ? M : PLAIN;
-  const int64_t quads = (a.nb + 3) / 4;
-  const __mmask16 last = quad_lanes(a.nb - 4 * (quads - 1));
-  const int64_t held = tiles_held(quads);
-  uint8_t* tiles = tile_buffer(quads * held);
-  for (int64_t o = o0; o < o1; o += 4 * held) {  // as rows_tiled: the held groups' tiles, then x over them
-    const int64_t groups = std::min<int64_t>(held, (o1 - o + 3) / 4);
-    for (int64_t g = 0; g < groups; ++g)
-      ktile<F>(w + (o + 4 * g) * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, o1 - o - 4 * g)), a.nb,
-               tiles + g * quads * TILE_QUAD);
-    for (int64_t r0 = 0; r0 < B; r0 += 4)
-      for (int64_t g = 0; g < groups; ++g)
-        trows<MODE>(tiles + g * quads * TILE_QUAD, quads, last, static_cast<int>(std::min<int64_t>(4, o1 - o - 4 * g)),
-                    a, r0, std::min<int64_t>(4, B - r0), out + r0 * N + o + 4 * g, N);
-  }
+  tiled_groups<MODE>(g0, g1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
+    ktile<F>(w + 4 * g * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a.nb, tile);
+  });
 }
 
 template <Fmt F, int R = 4>
