@@ -191,9 +191,10 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   // On a bf16 pool a whole prompt (more than one row, nothing cached before it) takes the kernel with bf16 products,
   // as the Python forward's paged backend gives it (attention/paged.py, compiled_attend), where this CPU has it
-  std::vector<bool> prompt(R_req, false);
+  std::vector<bool> prompt;  // (none asked for on an fp32 pool: a decode step allocates nothing for it)
   bool prompts = false;
   if (kv_bf16_ && prompt_attention_bf16_here() && (D == 64 || D == 128)) {
+    prompt.assign(R_req, false);
     for (int64_t r = 0; r < R_req; ++r) {
       const int64_t T = qsl[r + 1] - qsl[r];
       prompt[r] = T > 1 && T == lens[r] && qsl[r + 1] <= n;
