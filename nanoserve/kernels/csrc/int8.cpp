@@ -14,7 +14,8 @@
 //   acc[b % 16]  = acc[b % 16] + c
 // then out = (u0 + u2) + (u1 + u3), u_j = t_j + t_{j+4}, t_j = acc[j] + acc[j + 8]. (llama.cpp scales each block's
 // integer sum the same way, with fp16 d; its order of fp32 adds is its own.)
-// Q5_0, Q4_K and Q6_K take the same steps group of 32 by group, with their own scales (see group_rows_scalar).
+// Q5_0, Q4_K and Q6_K take the same steps group of 32 by group, with their own scales (see group_rows_scalar); on
+// AVX512-VNNI a few rows of x meet Q4_K and Q6_K super-blocks unpacked in registers as they lie (krows_few).
 //
 // Sixteen lanes so that the fp32 work is vector work: the integer sums of sixteen blocks are gathered into one
 // register (AVX-512: a quad of 4 blocks of each of four weight rows; AVX2: 8 blocks of one row) and scaled there.
@@ -708,7 +709,8 @@ int64_t checked_rows(const torch::Tensor& x) {
 }
 
 // Q5_0, Q4_K, Q6_K on `road`: its quantizer, then the portable loop (the scalar road) or AVX2's integer sums (the
-// x86 roads, which all have AVX2).
+// x86 roads, which all have AVX2); on AVX512-VNNI, Q4_K and Q6_K take krows_few below TILED_ROWS rows of x (a decode
+// step: AVX2's sums left those matrices compute-bound at a fraction of the read bandwidth) and krows_tiled from it.
 using GroupRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
 
 template <GFmt F>
@@ -718,6 +720,29 @@ GroupRowsFn group_rows_for(const Road& road) {
 #endif
   (void)road;
   return group_rows_scalar<F>;
+}
+
+// x's quantized rows as krows_few reads them: each super-block's eight blocks, 32 bytes each in position order, in the
+// order its format's registers hold the groups (Q4_K: 0, 2, 1, 3, 4, 6, 5, 7: a byte's two nibbles are two groups;
+// Q6_K: 0..7); and for Q6_K, 32 x each block half's sum, in the order khalves gives the halves (first halves, then
+// second), which vpdpbusd's sums on q = qw + 32 exceed qw's by.
+void few_x(GFmt f, const Acts& a, int64_t B, int8_t* xk, int32_t* xh) {
+  constexpr int64_t Q4_K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
+  const int64_t supers = a.nb / 8;
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t u = 0; u < supers; ++u)
+      for (int64_t t = 0; t < 8; ++t) {
+        const int64_t g = 8 * u + (f == GFmt::Q4_K ? Q4_K_ORDER[t] : t);
+        const int8_t* lo = a.qi + r * a.kq + lo_at(g);
+        int8_t* to = xk + (r * supers + u) * 256 + 32 * t;
+        std::memcpy(to, lo, 16);
+        std::memcpy(to + 16, lo + 64, 16);
+        if (f != GFmt::Q6_K) continue;
+        int32_t h0 = 0, h1 = 0;
+        for (int j = 0; j < 16; ++j) h0 += lo[j], h1 += lo[64 + j];
+        xh[(r * supers + u) * 16 + t] = 32 * h0;
+        xh[(r * supers + u) * 16 + 8 + t] = 32 * h1;
+      }
 }
 
 torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std::string& fmt, const std::string& name) {
@@ -744,6 +769,20 @@ torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std
   const uint8_t* w = blocks.data_ptr<uint8_t>();
   float* o = out.data_ptr<float>();
 #ifdef NANOSERVE_INT8_X86
+  if (road.layout == Layout::QUADS && B < TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
+    thread_local std::vector<int8_t> xk;
+    thread_local std::vector<int32_t> xh;
+    xk.resize(B * K);
+    xh.resize(B * K / 256 * 16);
+    const int8_t* xkp = xk.data();  // this thread's buffers, read by every thread
+    const int32_t* xhp = xh.data();
+    few_x(f, z.acts, B, xk.data(), xh.data());
+    at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      if (f == GFmt::Q4_K) avx512_vnni::krows_few<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+      else avx512_vnni::krows_few<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+    });
+    return out;
+  }
   if (road.layout == Layout::QUADS && B >= TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles (krows_tiled)
     transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
     bias_bytes(z.buffer, B * z.acts.kq);
@@ -1458,6 +1497,116 @@ ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t g0, int64_
   tiled_groups<MODE>(g0, g1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
     ktile<F>(w + 4 * g * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a.nb, tile);
   });
+}
+
+// ---- The K-quants against a few rows of x (fewer than TILED_ROWS: a decode step). A super-block's eight groups are
+// unpacked in four registers straight from its bytes, each register two groups' 64 weights (Q4_K: a byte's two
+// nibbles are two groups), against x laid in the same order once per product (few_x); vpdpbusd's sums are reduced to
+// each group's two halves, eight groups to a register; the fp32 steps are group_rows_avx2's, the scales group_scales8's
+// floats decoded in registers. The same integers and steps: the same bits.
+
+// Lane t (i0, lanes 0-7) and 8 + t (i1) of the reduced sums <- lane of h (khalves) holding group t's half.
+alignas(64) constexpr int32_t KHALVES[2][16] = {{0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15},  // Q4_K
+                                                {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}};  // Q6_K
+alignas(64) constexpr int32_t EVEN_ODD[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+
+// Super-block blk -> its integer weights as unsigned bytes (Q4_K: q, registers [g0 | g2], [g1 | g3], [g4 | g6],
+// [g5 | g7]; Q6_K: q + 32, registers [g0 | g1] .. [g6 | g7]) and each group's scales a and b.
+template <GFmt F>
+ROAD_FN void kunpack(const uint8_t* blk, __m512i w[4], __m256& sa, __m256& sb) {
+  const __m512i low = _mm512_set1_epi8(15);
+  if constexpr (F == GFmt::Q4_K) {
+    const __m512i q0 = _mm512_loadu_si512(blk + 16), q1 = _mm512_loadu_si512(blk + 80);
+    w[0] = _mm512_and_si512(q0, low);
+    w[1] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
+    w[2] = _mm512_and_si512(q1, low);
+    w[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
+    uint32_t u[3];  // group_scales8's 6-bit sc and m, four groups a word
+    std::memcpy(u, blk + 4, 12);
+    const uint64_t sc = (u[0] & 0x3f3f3f3fu) |
+                        static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+    const uint64_t m = (u[1] & 0x3f3f3f3fu) |
+                       static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+    const auto floats = [](uint64_t bytes) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(bytes))));
+    };
+    sa = _mm256_mul_ps(_mm256_set1_ps(half_f16c(blk)), floats(sc));
+    sb = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_f16c(blk + 2)), floats(m)), _mm256_set1_ps(-0.0f));
+  } else {
+    const __m512i three = _mm512_set1_epi8(3), top = _mm512_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; ++c) {  // 128 weights: ql's 64 bytes, qh's 32 (its bits 2k, 2k + 1 for group 4c + k)
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * c);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * c));
+      const __m512i qhx = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+      w[2 * c] = _mm512_or_si512(_mm512_and_si512(ql, low), _mm512_slli_epi16(_mm512_and_si512(qhx, three), 4));
+      w[2 * c + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low), _mm512_and_si512(qhx, top));
+    }
+    const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    const __m512 s = _mm512_mul_ps(_mm512_set1_ps(half_f16c(blk + 208)), _mm512_cvtepi32_ps(sc));
+    const __m512 e = _mm512_permutexvar_ps(idx(EVEN_ODD), s);  // each group's first half's scale, then its second's
+    sa = _mm512_castps512_ps256(e);
+    sb = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1));
+  }
+}
+
+// Four registers of vpdpbusd's sums (lanes 4h..4h + 3 of a 128-bit quarter: a group's half) -> the eight groups'
+// first halves (lanes 0-7) and second halves (8-15). Integer adds: exact in any order.
+template <GFmt F>
+ROAD_FN __m512i khalves(const __m512i* p) {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+  const __m512i h = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+  return _mm512_permutexvar_epi32(idx(KHALVES[F == GFmt::Q4_K ? 0 : 1]), h);
+}
+
+// Weight rows o0..o1 of Q4_K or Q6_K blocks against the B rows of x laid out by few_x (xk; xh: Q6_K's 32 x each
+// half's sum): out[r * N + o].
+template <GFmt F>
+ROAD_FN void krows_few(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
+                       const int8_t* xk, const int32_t* xh, float* out, int64_t N) {
+  const int64_t supers = a.nb / 8, K = a.nb * QK;
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = w + o * row_bytes;
+    for (int64_t r0 = 0; r0 < B; r0 += GTILE) {
+      const int R = static_cast<int>(std::min<int64_t>(GTILE, B - r0));
+      __m256 acc[GTILE][2];
+      for (int r = 0; r < GTILE; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int64_t u = 0; u < supers; ++u) {
+        __m512i wv[4];
+        __m256 sa, sb;
+        kunpack<F>(row + u * GroupFormat<F>::BYTES, wv, sa, sb);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = xk + (r0 + r) * K + u * 256;
+          __m512i p[4];
+#pragma GCC unroll 4
+          for (int k = 0; k < 4; ++k)
+            p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(x + 64 * k));
+          __m512i sums = khalves<F>(p);
+          if constexpr (F == GFmt::Q6_K)
+            sums = _mm512_sub_epi32(sums, _mm512_loadu_si512(xh + ((r0 + r) * supers + u) * 16));
+          const __m256i i0 = _mm512_castsi512_si256(sums), i1 = _mm512_extracti64x4_epi64(sums, 1);
+          const int64_t at = (r0 + r) * a.ld + 8 * u;
+          const __m256 d = _mm256_loadu_ps(a.d + at);
+          __m256 c;
+          if constexpr (F == GFmt::Q6_K) {
+            c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(i0));
+            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(sb, d), _mm256_cvtepi32_ps(i1)));
+          } else {
+            c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
+            c = _mm256_add_ps(c, _mm256_mul_ps(sb, _mm256_loadu_ps(a.ds + at)));
+          }
+          acc[r][u % 2] = _mm256_add_ps(acc[r][u % 2], c);
+        }
+      }
+      alignas(32) float lanes[GROUP];
+      for (int r = 0; r < R; ++r) {
+        _mm256_store_ps(lanes, acc[r][0]);
+        _mm256_store_ps(lanes + 8, acc[r][1]);
+        out[(r0 + r) * N + o] = tree16(lanes);
+      }
+    }
+  }
 }
 
 template <Fmt F, int R = 4>
