@@ -52,7 +52,7 @@ class ModelRunner:
         # read once, not each step (it asks every matrix): a runner's weights are not rewritten under it
         self.one_row_same_bits = model.one_row_same_bits(self.kernels)
         self.attention = choose(self.kernels, attention)
-        use_step = compiled_step is not False and self.attention == "compiled"  # (BlockStep.of: Llama's layer only)
+        use_step = compiled_step is not False and self.attention == "compiled"  # (BlockStep.of: Llama's, Gemma's)
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
         self.last_argmax: Tensor | None = None  # the last step's argmax of each row it returned, where it has one
@@ -84,9 +84,8 @@ class ModelRunner:
             ids, md = prepare(chunks, self.block_size, num_rows)
         rows = md.last_rows if num_logits is None else logit_rows(md, num_logits)
         self.last_prepare_s = time.perf_counter() - t0
-        if self.block_step is not None and groups is None and applies(md, self.storage.k.dtype == torch.bfloat16,
-                                                                       self.model.cfg.head_dim):
-            logits, self.last_argmax = self.block_step(ids, md, self.storage, rows)
+        if self.block_step is not None and applies(md, self.storage.k.dtype == torch.bfloat16, self.model.cfg.head_dim):
+            logits, self.last_argmax = self.block_step(ids, md, self.storage, rows, groups=groups)
             return logits
         backend = PagedAttention(self.storage, md, self.attention, groups)
         h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.kernels)[0]  # (N, C)
@@ -110,7 +109,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.storage.copy_blocks(copies)
         stops = [sorted(s) for s in stop_ids] if stop_ids else [[] for _ in chunks]
-        if self.block_step is not None and self.storage.num_groups == 1:  # its attention is the compiled one
+        if self.block_step is not None and self.storage.num_groups == 1 and not self.block_step.gemma:
             R, W, S = len(chunks), max(len(c.block_table) for c in chunks), max(map(len, stops))
             pad = lambda xs, n: [*xs, *[-1] * (n - len(xs))]  # noqa: E731
             flat = torch.frombuffer(array("q", [c.token_ids[0] for c in chunks] + [c.num_computed for c in chunks]

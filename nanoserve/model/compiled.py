@@ -18,6 +18,12 @@ prompt's attention takes a kernel with bf16 products (`attention.causal.bf16_pro
 too where the CPU has it (AVX512_BF16); elsewhere that kernel is torch's, and a step holding a whole prompt runs the
 Python forward.
 
+Gemma 3's layer (`model.gemma3`) steps the same way on its GGUF blocks with int8 activations on an x86 int8 road
+(its Q4_K and Q6_K read as they lie, Q5_0 and Q8_0 from their packed copies, q/k/v row groups of Q5_0 and Q8_0 as
+one Q8_0 matrix of the same numbers) and an fp32 K/V pool: QK-norm, four norms a layer, GeGLU, each sliding layer's
+window and rope table, and on the hybrid pool (`kv.hybrid`) each layer's KV cache group's slots and block tables.
+Its steps are one call each (`decode`'s steps in one call are Llama's).
+
     >>> step = BlockStep.of(model)                       # None unless on blocks or tiles  # doctest: +SKIP
     >>> logits = step(ids, md, cache.storage)            # (R, V), as ModelRunner.execute's  # doctest: +SKIP
 """
@@ -29,8 +35,10 @@ from torch import Tensor
 
 from .. import kernels
 from ..attention.metadata import AttentionMetadata
+from ..kernels import int8
+from .gemma3 import Gemma3, one_plus
 from .llama import Llama
-from .matmul import BlockWeight, panels, tiled
+from .matmul import BlockWeight, RowGroups, panels, tiled
 
 NO_PACKED = torch.empty(0, dtype=torch.uint8)  # a matrix read as its blocks are
 
@@ -63,16 +71,33 @@ def _held(w: Tensor | BlockWeight) -> tuple[Tensor, str, bool, Tensor]:
     return panels(w), "bf16-panels", False, NO_PACKED
 
 
+def _one_format(w: Tensor | BlockWeight | RowGroups) -> Tensor | BlockWeight | None:
+    """A Gemma matrix as one the step reads: itself, or row groups of Q5_0 and Q8_0 on int8 activations as the Q8_0
+    blocks of their numbers stacked (`int8.q5_0_as_q8_0`: the int8 product of those is the Q5_0 product, bit for
+    bit, and rows do not change each other's); None for other groups."""
+    if not isinstance(w, RowGroups):
+        return w
+    if not all(p.activations == "int8" and p.fmt in ("q5_0", "q8_0") for p in w.parts):
+        return None
+    rows = [int8.q5_0_as_q8_0(p.blocks) if p.fmt == "q5_0" else p.blocks for p in w.parts]
+    return BlockWeight(torch.cat(rows), "q8_0", w.shape[1], "int8")
+
+
 class BlockStep:
     """The model's weights handed to the compiled `BlockModel` once (checked there), then one call per step."""
 
-    def __init__(self, model: Llama, compiled):
+    def __init__(self, model: Llama | Gemma3, compiled, held: list[BlockWeight] | None = None):
         self.model, self.compiled = model, compiled
+        self.held = held or []  # matrices made for the step (a Gemma layer's merged row groups): their bytes stay
+        self.gemma = isinstance(model, Gemma3)
 
     @classmethod
-    def of(cls, model: Llama) -> BlockStep | None:
-        """The compiled step of `model`, or None where it cannot run: a family whose layer is not Llama's, a matrix
-        neither on blocks nor tiles, bf16 tiles beside others, a residual stream not fp32, or no compiled kernels."""
+    def of(cls, model: Llama | Gemma3) -> BlockStep | None:
+        """The compiled step of `model`, or None where it cannot run: a family whose layer is neither Llama's nor
+        Gemma 3's, a matrix neither on blocks nor tiles, bf16 tiles beside others, a residual stream not fp32, or no
+        compiled kernels."""
+        if isinstance(model, Gemma3):
+            return cls._gemma(model)
         if not isinstance(model, Llama):
             return None
         mats = model.matrices()
@@ -95,8 +120,34 @@ class BlockStep:
             cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps, model.kv_dtype == torch.bfloat16)
         return cls(model, compiled)
 
+    @classmethod
+    def _gemma(cls, model: Gemma3) -> BlockStep | None:
+        """Gemma 3 on GGUF blocks with int8 activations, on an x86 int8 road (its Q5_0 is read from the packed copy),
+        with an fp32 K/V pool and the query scale of head_dim; None elsewhere (the Python forward runs)."""
+        if not kernels.available() or not int8.packed_here() or model.dtype != torch.float32 \
+                or model.kv_dtype != torch.float32 or any(b.q_scale is not None for b in model.layers):
+            return None
+        given = [getattr(b, n) for b in model.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")] + [model.embed]
+        mats = [_one_format(w) for w in given]
+        if not all(isinstance(w, BlockWeight) and w.activations == "int8" and w.fmt != "q4_1" for w in mats):
+            return None
+        held = [m for m, w in zip(mats, given) if m is not w]  # the merged row groups
+        fmts = [w.fmt for w in mats]
+        packed = [NO_PACKED if f in ("q4_k", "q6_k") else w.int8_packed() for w, f in zip(mats, fmts)]
+        if any(p is None for p in packed):
+            return None
+        norms = [n.contiguous() for b in model.layers for n in one_plus(b, b.NORMS)]
+        norms.append(one_plus(model, ("norm",))[0].contiguous())
+        cfg = model.cfg
+        compiled = kernels.load().BlockModel(  # type: ignore[union-attr]
+            model.embed.blocks, model.embed.fmt, norms, [w.blocks for w in mats], fmts, [True] * len(mats), packed,
+            cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps, False, [cfg.window(i) or 0 for i in range(cfg.n_layers)],
+            float(model.embed_scale))
+        return cls(model, compiled, held)
+
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,
-                 split_keys: int | None = None) -> tuple[Tensor, Tensor]:
+                 split_keys: int | None = None, groups: list[AttentionMetadata] | None = None,
+                 ) -> tuple[Tensor, Tensor]:
         """Logits (R, V) at `rows` of the step (default each request's last token), as the Python forward gives
         them, and each row's argmax (R,) as `argmax_rows` gives it (found by the step's threads while they hold
         the logits); the step's k/v are written into `storage` (a KVStorage) on the way. Only real tokens are
@@ -106,15 +157,23 @@ class BlockStep:
         n = md.num_tokens
         rows = md.last_rows if rows is None else rows
         empty = rows.numel() == 0  # nothing to sample (a prompt's middle chunk): the k/v are still written
-        cos, sin = self.model.rope_tables(max(md.seq_lens_host) - 1)  # (P, D) each, every position of the step
+        top = max(md.seq_lens_host) - 1
+        cos, sin = self.model.rope_tables(top)  # (P, D) each, every position of the step
         if ids.numel() > n:  # padding rows: the compiled step computes real tokens only
             ids, positions = ids[:n], md.positions[:n]
         else:
             positions = md.positions
+        extra = {}
+        if self.gemma:
+            extra["cos_local"], extra["sin_local"] = self.model.rope_tables(top, local=True)
+        if groups is not None and len(groups) > 1:  # a table per KV cache group; each layer in its group's slot
+            extra.update(group_slots=[g.slot_mapping[:n] for g in groups],
+                         group_tables=[g.block_tables for g in groups], layer_group=storage.layer_group,
+                         layer_slot=storage.layer_slot)
         logits, best = self.compiled.step(
-            ids, positions, cos, sin, storage.k, storage.v, md.slot_mapping, md.query_start_loc,
+            ids, positions, cos, sin, storage.k, storage.v, md.slot_mapping[:n], md.query_start_loc,
             md.seq_lens, md.block_tables, md.last_rows[:1] if empty else rows, self.model.cfg.head_dim ** -0.5,
-            kernels.SPLIT_KEYS if split_keys is None else split_keys)
+            kernels.SPLIT_KEYS if split_keys is None else split_keys, **extra)
         return (logits[:0], best[:0]) if empty else (logits, best)
 
     def decode(self, ids: Tensor, positions: Tensor, block_tables: Tensor, stop_ids: Tensor, storage,

@@ -375,3 +375,52 @@ def test_a_long_compiled_step_lets_other_threads_run(model_dir, compiled, weight
     lateness, step_s = probed(lambda: fast.execute([Chunk(prompt, 0, t.blocks)]), timer_lateness, 0.0)
     assert step_s > 0.3, f"a {step_s:.2f} s step is too short to tell whether the GIL was held"
     assert len(lateness) > 5 and max(lateness) < min(0.25, step_s / 3), (step_s, max(lateness), len(lateness))
+
+
+def test_gemma_on_int8_blocks_steps_compiled_with_the_python_forwards_logits(gemma_dir, gemma_tok, compiled):
+    """Gemma 3 on its GGUF blocks with int8 activations steps compiled (its Q4_K, Q6_K, Q5_0 and Q8_0 matrices, q/k/v
+    row groups read as one Q8_0 matrix of the same numbers, QK-norm, four norms a layer, GeGLU, two rope tables) on
+    the hybrid pool (a block table per KV cache group, each layer in its group's slot): the Python forward's logits
+    bit for bit, through a 700-token prompt prefilled in chunks that cross the 512-position window beside short ones,
+    then decode steps and short chunks (a team's step); the same K/V in every group's blocks."""
+    from nanoserve.kv.groups import kv_cache_groups
+    from nanoserve.kv.hybrid import HybridBlockManager
+
+    model = nanoserve.load(gemma_dir, weights="gguf", activations="int8")[0]
+    groups = kv_cache_groups(model.cfg)
+    assert len(groups) > 1 and any(g.window for g in groups)
+    manager = HybridBlockManager(groups, 400, 16, prefix_caching=False)
+    fast = ModelRunner(model, KVStorage(model.cfg, 400, 16, groups=groups))
+    slow = ModelRunner(model, KVStorage(model.cfg, 400, 16, groups=groups), compiled_step=False)
+    assert fast.block_step is not None and fast.block_step.gemma and slow.block_step is None
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 20000, (700,), generator=g).tolist(), gemma_tok.encode("The capital of France is"),
+               [7] * 40]
+    tables, done = [manager.new_table() for _ in prompts], [0] * len(prompts)
+    while any(d < len(p) for d, p in zip(done, prompts)):  # 256 tokens a step: the window's edge mid-chunk
+        chunks = []
+        for i, (t, p) in enumerate(zip(tables, prompts)):
+            if done[i] < len(p):
+                new = p[done[i]:done[i] + 256]
+                manager.append_slots(t, new)
+                chunks.append(Chunk(new, done[i], t.blocks))
+                done[i] += len(new)
+        assert torch.equal(fast.execute(chunks), slow.execute(chunks))
+    for s in range(4):
+        chunks = []
+        for t in tables:
+            new = torch.randint(3, 20000, (2 if s == 1 else 1,), generator=g).tolist()
+            start = t.num_tokens
+            manager.append_slots(t, new)
+            chunks.append(Chunk(new, start, t.blocks))
+        logits = fast.execute(chunks)
+        assert torch.equal(logits, slow.execute(chunks)) and torch.equal(fast.last_argmax, logits.argmax(-1))
+    assert torch.equal(fast.storage.k, slow.storage.k) and torch.equal(fast.storage.v, slow.storage.v)
+    t = tables[1]  # decode steps: one compiled step each (BlockModel.decode runs Llama's steps only)
+    chunk = Chunk([5], t.num_tokens, t.blocks)
+    manager.append_slots(t, [0, 0])
+    assert torch.equal(fast.decode([chunk], [], 2), slow.decode([chunk], [], 2))
+    with pytest.raises(RuntimeError, match="decode: a Gemma model's steps run one `step` call each"):
+        fast.block_step.compiled.decode(1, torch.tensor([5]), torch.tensor([0]), *model.rope_tables(8),
+                                        fast.storage.k, fast.storage.v, torch.zeros(1, 1, dtype=torch.long),
+                                        torch.full((1, 1), -1), 0.0625, 0)

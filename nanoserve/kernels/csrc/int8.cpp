@@ -745,6 +745,45 @@ void few_x(GFmt f, const Acts& a, int64_t B, int8_t* xk, int32_t* xh) {
       }
 }
 
+// x (B, K) quantized by `road`, then times N weight rows of Q5_0, Q4_K or Q6_K blocks at w: out (B, N). With a team,
+// each of its threads quantizes x for itself and computes its share of the rows.
+void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_t K, const float* x, int64_t B,
+                   float* o, Team* team = nullptr) {
+  const int64_t row_bytes = f == GFmt::Q5_0 ? K / QK * GroupFormat<GFmt::Q5_0>::BYTES
+                            : f == GFmt::Q4_K ? K / 256 * GroupFormat<GFmt::Q4_K>::BYTES
+                                              : K / 256 * GroupFormat<GFmt::Q6_K>::BYTES;
+  Quantized z = quantize(x, B, K, road);
+#ifdef NANOSERVE_INT8_X86
+  if (road.layout == Layout::QUADS && B < TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
+    thread_local std::vector<int8_t> xk;
+    thread_local std::vector<int32_t> xh;
+    xk.resize(B * K);
+    xh.resize(B * K / 256 * 16);
+    const int8_t* xkp = xk.data();  // this thread's buffers, read by every thread of torch's (each of a team has its own)
+    const int32_t* xhp = xh.data();
+    few_x(f, z.acts, B, xk.data(), xh.data());
+    parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+      if (f == GFmt::Q4_K) avx512_vnni::krows_few<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+      else avx512_vnni::krows_few<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+    });
+    return;
+  }
+  if (road.layout == Layout::QUADS && B >= TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles (krows_tiled)
+    transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
+    bias_bytes(z.buffer, B * z.acts.kq);
+    z.acts.biased = true;
+    parallel_rows(team, (N + 3) / 4, 1, [&](int64_t begin, int64_t end) {
+      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, o, N);
+      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, o, N);
+    });
+    return;
+  }
+#endif
+  const GroupRowsFn rows = f == GFmt::Q5_0 ? group_rows_for<GFmt::Q5_0>(road)
+                           : f == GFmt::Q4_K ? group_rows_for<GFmt::Q4_K>(road) : group_rows_for<GFmt::Q6_K>(road);
+  parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) { rows(w, row_bytes, begin, end, z.acts, B, o, N); });
+}
+
 torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std::string& fmt, const std::string& name) {
   const Road& road = pick(name);
   const int64_t B = checked_rows(x), K = x.size(-1);
@@ -763,38 +802,7 @@ torch::Tensor group_linear_int8(torch::Tensor x, torch::Tensor blocks, const std
   shape.back() = N;
   torch::Tensor out = torch::empty(shape, x.options());
   if (B == 0 || N == 0) return out;
-  const GroupRowsFn rows = f == GFmt::Q5_0 ? group_rows_for<GFmt::Q5_0>(road)
-                           : f == GFmt::Q4_K ? group_rows_for<GFmt::Q4_K>(road) : group_rows_for<GFmt::Q6_K>(road);
-  Quantized z = quantize(x.data_ptr<float>(), B, K, road);
-  const uint8_t* w = blocks.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-#ifdef NANOSERVE_INT8_X86
-  if (road.layout == Layout::QUADS && B < TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
-    thread_local std::vector<int8_t> xk;
-    thread_local std::vector<int32_t> xh;
-    xk.resize(B * K);
-    xh.resize(B * K / 256 * 16);
-    const int8_t* xkp = xk.data();  // this thread's buffers, read by every thread
-    const int32_t* xhp = xh.data();
-    few_x(f, z.acts, B, xk.data(), xh.data());
-    at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-      if (f == GFmt::Q4_K) avx512_vnni::krows_few<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
-      else avx512_vnni::krows_few<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
-    });
-    return out;
-  }
-  if (road.layout == Layout::QUADS && B >= TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles (krows_tiled)
-    transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
-    bias_bytes(z.buffer, B * z.acts.kq);
-    z.acts.biased = true;
-    at::parallel_for(0, (N + 3) / 4, 1, [&](int64_t begin, int64_t end) {
-      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, o, N);
-      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, o, N);
-    });
-    return out;
-  }
-#endif
-  at::parallel_for(0, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) { rows(w, row_bytes, begin, end, z.acts, B, o, N); });
+  group_product(road, f, blocks.data_ptr<uint8_t>(), N, K, x.data_ptr<float>(), B, out.data_ptr<float>());
   return out;
 }
 
@@ -957,6 +965,12 @@ std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1
   const int64_t group_bytes = 4 * K / int8q::QK * (q4_1 ? int8q::Q4_1_BYTES : int8q::Q8_0_BYTES);
   const auto [begin, end] = team.share((N + 3) / 4, int8q::GROUPS_PER_TASK);  // product_packed's cut
   return {packed + begin * group_bytes, (end - begin) * group_bytes};
+}
+
+void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                               Team* team) {
+  if (B > 0 && N > 0)
+    int8q::group_product(int8q::best(), kfmt == 1 ? int8q::GFmt::Q4_K : int8q::GFmt::Q6_K, w, N, K, x, B, out, team);
 }
 
 int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K) {

@@ -545,6 +545,13 @@ void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out) {
   at::parallel_for(0, n, silu_grain(I), [&](int64_t begin, int64_t end) { silu_mul_range(gate_up, begin, end, I, out); });
 }
 
+// GeGLU's middle on raw rows (BlockModel's Gemma layer): gelu_tanh_mul's loops.
+void gelu_tanh_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out) {
+  at::parallel_for(0, n, silu_grain(I), [&](int64_t begin, int64_t end) {
+    silu_mul_range<true>(gate_up, begin, end, I, out);
+  });
+}
+
 // The same for a bf16 model, whose gate_up product returns bf16 and whose down product takes bf16: each row
 // widened, computed by the float loop, narrowed once.
 void silu_mul_rows_bf16(const uint16_t* gate_up, int64_t n, int64_t I, uint16_t* out) {

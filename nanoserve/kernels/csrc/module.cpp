@@ -46,7 +46,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<BlockModel>(m, "BlockModel", pybind11::module_local(), "a model on GGUF blocks, stepped by one call")
       .def(pybind11::init<torch::Tensor, std::string, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<std::string>, std::vector<bool>, std::vector<torch::Tensor>, int64_t, int64_t,
-                          double, bool>())
-      .def("step", &BlockModel::step, nogil, "one step: the embedding rows, every layer, the LM head's logits")
+                          double, bool, std::vector<int64_t>, double>(),
+           pybind11::arg("embed"), pybind11::arg("embed_fmt"), pybind11::arg("norms"), pybind11::arg("blocks"),
+           pybind11::arg("fmts"), pybind11::arg("int8"), pybind11::arg("packed"), pybind11::arg("n_heads"),
+           pybind11::arg("n_kv_heads"), pybind11::arg("eps"), pybind11::arg("kv_bf16"),
+           pybind11::arg("windows") = std::vector<int64_t>{}, pybind11::arg("embed_scale") = 1.0)
+      .def("step", &BlockModel::step, nogil, "one step: the embedding rows, every layer, the LM head's logits",
+           pybind11::arg("ids"), pybind11::arg("positions"), pybind11::arg("cos_table"), pybind11::arg("sin_table"),
+           pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("slot_mapping"),
+           pybind11::arg("query_start_loc"), pybind11::arg("seq_lens"), pybind11::arg("block_tables"),
+           pybind11::arg("last_rows"), pybind11::arg("scale"), pybind11::arg("split_keys"),
+           pybind11::arg("group_slots") = std::vector<torch::Tensor>{},
+           pybind11::arg("group_tables") = std::vector<torch::Tensor>{},
+           pybind11::arg("layer_group") = std::vector<int64_t>{}, pybind11::arg("layer_slot") = std::vector<int64_t>{},
+           pybind11::arg("cos_local") = pybind11::none(), pybind11::arg("sin_local") = pybind11::none())
       .def("decode", &BlockModel::decode, nogil, "decode steps in a row, each step's input the last one's argmax");
 }

@@ -102,12 +102,16 @@ void add_rms_norm_rows(const float* x, const float* residual, const float* weigh
 void rope_rows(float* qkv, const float* cos, const float* sin, int64_t n, int64_t HT, int64_t heads, int64_t D);
 void round_bf16_(float* x, int64_t n);
 void silu_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
+void gelu_tanh_mul_rows(const float* gate_up, int64_t n, int64_t I, float* out);
 void block_product(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
                    Team* team = nullptr);
 void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B, float* out,
                         Team* team = nullptr);
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
                                float* out, Team* team = nullptr);
+// Q4_K (kfmt 1) or Q6_K (kfmt 2) blocks on int8 activations: block_linear_int8's product on raw numbers.
+void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K, const float* x, int64_t B, float* out,
+                               Team* team = nullptr);
 // The bytes of a weight of N rows of K inputs in pack_blocks_int8's layout.
 int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K);
 // The packed bytes a team thread's share of that product reads (where it starts, how many).
@@ -119,18 +123,26 @@ void dequantize_rows(const uint8_t* w, bool q4_1, int64_t K, const int64_t* ids,
 // inputs passed to `step`. A matrix of fmt "q4_1" or "q8_0" is GGUF blocks; of fmt "f32" or "bf16", the tiles of
 // an fp32 or bf16 matrix (pack_fp32, pack_bf16: every matrix then bf16), as the token table of embed_fmt "f32" or
 // "bf16" is an fp32 or bf16 (V, C) table. int8[i]: matrix i multiplies int8-quantized activations
-// (block_linear_int8's product), from packed[i] (pack_blocks_int8) where that is not empty. kv_bf16: its K/V
-// cache holds bf16.
+// (block_linear_int8's product), from packed[i] (pack_blocks_int8) where that is not empty; on int8 activations
+// "q5_0" (read from its packed copy, Q8_0's layout), "q4_k" and "q6_k" too. kv_bf16: its K/V cache holds bf16.
+// windows (one per layer, or none): Gemma 3's layer (model/gemma3.py), each layer's sliding window (0: none).
 class BlockModel {
  public:
   BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
              std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
-             std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps, bool kv_bf16);
+             std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps, bool kv_bf16,
+             std::vector<int64_t> windows = {}, double embed_scale = 1.0);
   std::tuple<torch::Tensor, torch::Tensor> step(torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table,
                                                 torch::Tensor sin_table, torch::Tensor k_cache, torch::Tensor v_cache,
                                                 torch::Tensor slot_mapping, torch::Tensor query_start_loc,
                                                 torch::Tensor seq_lens, torch::Tensor block_tables,
-                                                torch::Tensor last_rows, double scale, int64_t split_keys);
+                                                torch::Tensor last_rows, double scale, int64_t split_keys,
+                                                std::vector<torch::Tensor> group_slots = {},
+                                                std::vector<torch::Tensor> group_tables = {},
+                                                std::vector<int64_t> layer_group = {},
+                                                std::vector<int64_t> layer_slot = {},
+                                                c10::optional<torch::Tensor> cos_local = c10::nullopt,
+                                                c10::optional<torch::Tensor> sin_local = c10::nullopt);
   std::tuple<torch::Tensor, torch::Tensor> decode(int64_t steps, torch::Tensor ids, torch::Tensor positions,
                                                   torch::Tensor cos_table, torch::Tensor sin_table,
                                                   torch::Tensor k_cache, torch::Tensor v_cache,
@@ -147,6 +159,7 @@ class BlockModel {
     const float* tiles = nullptr;     // fmt "f32": the fp32 matrix's tiles (rows / 16 of them), not blocks
     const uint16_t* bf16_tiles = nullptr;  // fmt "bf16": a bf16 matrix's tiles of pairs (pack_bf16)
     const uint16_t* bf16_panels = nullptr;  // fmt "bf16-panels": its panels (pack_bf16_panels), any x86 CPU
+    int kquant = 0;                         // fmt "q4_k" (1) or "q6_k" (2): blocks of 256 weights
   };
   std::vector<torch::Tensor> keep_;  // the tensors whose memory the pointers below read
   Matrix embed_;
@@ -159,6 +172,9 @@ class BlockModel {
   int64_t L_, H_, K_, C_, I_;
   float eps_;
   bool kv_bf16_;  // q, k, v rounded to bf16 after RoPE, and the K/V pools bf16 (Block.kv_dtype)
+  bool gemma_ = false;           // Gemma 3's layer: four norms a layer and QK-norm, GeGLU, windows
+  std::vector<int64_t> windows_;  // (gemma_) each layer's sliding window, 0 for none
+  float embed_scale_ = 1.0f;     // (gemma_) the embedding rows' scale, sqrt(hidden)
   static constexpr int64_t TEAM_ROWS = 8;  // a step of at most this many rows runs as one Team (decode steps)
   static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
   torch::Tensor scratch_ = torch::empty({0});

@@ -1,6 +1,7 @@
 // A model held on GGUF blocks, on tiles (fp32 or bf16) or on bf16 panels, stepped by one call
 // (nanoserve/model/compiled.py says when it runs and why): the embedding rows, every layer of the Python forward
-// (model/llama.py, Block.forward), then the LM head at each request's last token. It runs the loops the Python
+// (model/llama.py, Block.forward; or model/gemma3.py, Gemma3Block.forward), then the LM head at each request's last
+// token. It runs the loops the Python
 // forward reaches, in the same order, on the same rows, so its logits are that forward's bit for bit; what it saves
 // is the Python and the tensor bookkeeping between.
 #include "nanoserve.h"
@@ -35,17 +36,24 @@ void check_i64(const torch::Tensor& t, int64_t n, const char* name) {
 // blocks/fmts: wqkv, wo, w_gate_up, w_down of each layer, then the head; int8: which of them take int8 activations;
 // packed: each one's pack_blocks_int8 copy, read instead of its blocks (an empty tensor: none); kv_bf16: the K/V
 // cache holds bf16. Every shape is checked here, once.
+// windows (Gemma 3's layer, one per layer): norms are then attn_norm, post_attn_norm, mlp_norm, post_mlp_norm (the
+// hidden size each), q_norm and k_norm (head_dim each) of each layer, every one the (1 + w) the norm multiplies by;
+// the embedding rows are scaled by embed_scale; the MLP is GeGLU.
 BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<torch::Tensor> norms,
                        std::vector<torch::Tensor> blocks, std::vector<std::string> fmts, std::vector<bool> int8,
                        std::vector<torch::Tensor> packed, int64_t n_heads, int64_t n_kv_heads, double eps,
-                       bool kv_bf16)
-    : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)), kv_bf16_(kv_bf16) {
+                       bool kv_bf16, std::vector<int64_t> windows, double embed_scale)
+    : H_(n_heads), K_(n_kv_heads), eps_(static_cast<float>(eps)), kv_bf16_(kv_bf16), gemma_(!windows.empty()),
+      windows_(windows), embed_scale_(static_cast<float>(embed_scale)) {
+  const size_t per = gemma_ ? 6 : 2;  // norms a layer
   TORCH_CHECK(blocks.size() % 4 == 1 && fmts.size() == blocks.size() && int8.size() == blocks.size() &&
               packed.size() == blocks.size() &&
-              norms.size() == blocks.size() / 2 + 1,
-              "expected 4 matrices and 2 norms per layer, then the head and the final norm; got ", blocks.size(),
-              " matrices, ", fmts.size(), " formats, ", int8.size(), " activation flags, ", packed.size(),
-              " packed copies and ", norms.size(), " norms");
+              norms.size() == blocks.size() / 4 * per + 1 && (!gemma_ || windows.size() == blocks.size() / 4),
+              "expected 4 matrices and ", per, " norms per layer", gemma_ ? " and a window each" : "",
+              ", then the head and the final norm; got ", blocks.size(), " matrices, ", fmts.size(), " formats, ",
+              int8.size(), " activation flags, ", packed.size(), " packed copies, ", norms.size(), " norms and ",
+              windows.size(), " windows");
+  TORCH_CHECK(!gemma_ || !kv_bf16, "a Gemma layer's compiled step takes an fp32 K/V pool");
   L_ = static_cast<int64_t>(blocks.size() / 4);
   TORCH_CHECK(norms[0].dim() == 1, "norms: expected vectors");
   C_ = norms[0].numel();
@@ -83,6 +91,18 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
       bf16_ = true;
       return m;
     }
+    if (fmt == "q5_0" || fmt == "q4_k" || fmt == "q6_k") {  // int8 activations only (checked below)
+      const bool k = fmt != "q5_0";
+      const int64_t weights = k ? 256 : 32, bytes = fmt == "q5_0" ? 22 : fmt == "q4_k" ? 144 : 210;
+      TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % weights == 0 &&
+                      t.size(1) == cols / weights * bytes,
+                  what, " ", i, ": expected contiguous uint8 rows of ", cols / weights * bytes, " bytes (", cols,
+                  " inputs as ", fmt, "), got ", t.scalar_type(), " ", t.sizes());
+      keep_.push_back(t);
+      Matrix m{t.data_ptr<uint8_t>(), false, t.size(0), cols, false, nullptr};
+      m.kquant = fmt == "q4_k" ? 1 : fmt == "q6_k" ? 2 : -1;  // -1: Q5_0, read from its packed copy only
+      return m;
+    }
     const int64_t bytes = block_bytes(fmt, what, i);
     TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.is_contiguous() && cols % 32 == 0 &&
                     t.size(1) == cols / 32 * bytes,
@@ -104,8 +124,10 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
   } else {
     embed_ = matrix(embed, embed_fmt, C_, "embed", 0);
   }
-  for (const auto& w : norms) {
-    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.numel() == C_,
+  for (size_t i = 0; i < norms.size(); ++i) {
+    const auto& w = norms[i];
+    const bool qk = gemma_ && i + 1 < norms.size() && i % 6 >= 4;  // q_norm, k_norm: head_dim numbers (below)
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && (qk || w.numel() == C_),
                 "norms: expected contiguous float32 weights of ", C_, " numbers");
     keep_.push_back(w);
     norms_.push_back(w.data_ptr<float>());
@@ -116,6 +138,9 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
                 " q/k/v rows do not split into ", H_, " + 2 x ", K_, " heads");
     const int64_t D = qkv.rows / (H_ + 2 * K_);
     TORCH_CHECK(D % 2 == 0 && D <= 512, "head_dim ", D, ": expected an even number up to 512");
+    TORCH_CHECK(!gemma_ || (norms[6 * layer + 4].numel() == D && norms[6 * layer + 5].numel() == D &&
+                            windows_[layer] >= 0),
+                "layer ", layer, ": expected q_norm and k_norm of ", D, " numbers and a window >= 0");
     const Matrix wo = matrix(blocks[4 * layer + 1], fmts[4 * layer + 1], H_ * D, "blocks", 4 * layer + 1);
     const Matrix gate_up = matrix(blocks[4 * layer + 2], fmts[4 * layer + 2], C_, "blocks", 4 * layer + 2);
     const Matrix down = matrix(blocks[4 * layer + 3], fmts[4 * layer + 3], gate_up.rows / 2, "blocks", 4 * layer + 3);
@@ -130,12 +155,14 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
                 ": a bf16 model's matrices are all bf16 tiles or panels");
   for (size_t i = 0; i < mats_.size(); ++i) {
     TORCH_CHECK(!int8[i] || mats_[i].blocks, "int8 ", i, ": int8 activations are for a matrix of blocks, not tiles");
+    TORCH_CHECK(int8[i] || mats_[i].kquant == 0, "blocks ", i, ": ", fmts[i], " is multiplied on int8 activations");
+    TORCH_CHECK(mats_[i].kquant != -1 || packed[i].numel() > 0, "blocks ", i, ": q5_0 is read from its packed copy");
     mats_[i].int8 = int8[i];
     if (packed[i].numel() == 0) continue;
     const Matrix& m = mats_[i];
     const int64_t bytes = int8_packed_bytes(m.q4_1, m.rows, m.cols);
-    TORCH_CHECK(int8[i] && int8_packed_here() && m.blocks, "packed ", i, ": a packed layout is read by an x86 int8 "
-                "road, for a matrix of blocks on int8 activations");
+    TORCH_CHECK(int8[i] && int8_packed_here() && m.blocks && m.kquant <= 0, "packed ", i, ": a packed layout is "
+                "read by an x86 int8 road, for a matrix of q4_1, q8_0 or q5_0 blocks on int8 activations");
     TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && packed[i].dim() == 1 && packed[i].is_contiguous() &&
                 packed[i].numel() == bytes, "packed ", i, ": expected the ", bytes, " bytes pack_blocks_int8 makes");
     keep_.push_back(packed[i]);
@@ -147,17 +174,23 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
 // pool (L, blocks, block_size, K, D) and the step's metadata (attention/metadata.py). Returns the logits (R, V)
 // at rows last_rows (R,), and each one's argmax (R,) as argmax_rows gives it: the sampler's greedy rows then need
 // no pass of their own over the logits, which the step's threads have just written and still hold.
+// On a pool of several KV cache groups (kv/storage.py): group_slots and group_tables, each group's slot mapping and
+// block tables (slot_mapping and block_tables are then group 0's), layer l in slot layer_slot[l] of the pool under
+// group layer_group[l]'s tables. cos_local/sin_local: a Gemma model's sliding layers' rope tables.
 std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
     torch::Tensor ids, torch::Tensor positions, torch::Tensor cos_table, torch::Tensor sin_table,
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor query_start_loc,
-    torch::Tensor seq_lens, torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys) {
+    torch::Tensor seq_lens, torch::Tensor block_tables, torch::Tensor last_rows, double scale, int64_t split_keys,
+    std::vector<torch::Tensor> group_slots, std::vector<torch::Tensor> group_tables, std::vector<int64_t> layer_group,
+    std::vector<int64_t> layer_slot, c10::optional<torch::Tensor> cos_local, c10::optional<torch::Tensor> sin_local) {
   const int64_t n = ids.numel(), H = H_, K = K_, C = C_, I = I_, HT = H + 2 * K, D = mats_[0].rows / HT;
   check_i64(ids, -1, "ids");
   check_i64(positions, n, "positions");
   check_i64(slot_mapping, n, "slot_mapping");
   check_i64(last_rows, -1, "last_rows");
   const auto kv_type = kv_bf16_ ? torch::kBFloat16 : torch::kFloat32;
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 5 && k_cache.size(0) == L_ &&
+  const bool grouped = !group_slots.empty();
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 5 && (grouped || k_cache.size(0) == L_) &&
               k_cache.size(3) == K && k_cache.size(4) == D && k_cache.is_contiguous() && v_cache.is_contiguous() &&
               k_cache.scalar_type() == kv_type && v_cache.scalar_type() == kv_type,
               "k_cache/v_cache: expected contiguous ", kv_type, " (", L_, ", blocks, block_size, ", K, ", ", D,
@@ -165,6 +198,11 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   TORCH_CHECK(cos_table.dim() == 2 && cos_table.size(1) == D && sin_table.sizes() == cos_table.sizes() &&
               cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.scalar_type() == torch::kFloat32 &&
               sin_table.scalar_type() == torch::kFloat32, "cos/sin tables: expected contiguous float32 (P, ", D, ")");
+  TORCH_CHECK(!gemma_ || (cos_local && sin_local && cos_local->sizes() == cos_table.sizes() &&
+                          sin_local->sizes() == cos_table.sizes() && cos_local->is_contiguous() &&
+                          sin_local->is_contiguous() && cos_local->scalar_type() == torch::kFloat32 &&
+                          sin_local->scalar_type() == torch::kFloat32),
+              "cos_local/sin_local: a Gemma step expects its sliding layers' tables, shaped as cos/sin tables");
   const int64_t* id = ids.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
@@ -188,7 +226,33 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
               block_tables.size(0) == R_req && block_tables.is_contiguous(),
               "block_tables: expected contiguous int64 (", R_req, ", W)");
   const int64_t *qsl = query_start_loc.data_ptr<int64_t>(), *lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  // each layer's slots, tables (and their width) and place in the pool: group 0's and its own index, ungrouped
+  std::vector<const int64_t*> slot_of(L_, slot), table_of(L_, block_tables.data_ptr<int64_t>());
+  std::vector<int64_t> width_of(L_, block_tables.size(1)), pool_of(L_);
+  for (int64_t l = 0; l < L_; ++l) pool_of[l] = l;
+  if (grouped) {
+    const int64_t G = static_cast<int64_t>(group_slots.size());
+    TORCH_CHECK(static_cast<int64_t>(group_tables.size()) == G && static_cast<int64_t>(layer_group.size()) == L_ &&
+                static_cast<int64_t>(layer_slot.size()) == L_, "groups: expected ", G, " block tables and a group and "
+                "slot for each of ", L_, " layers");
+    for (int64_t g = 0; g < G; ++g) {
+      check_i64(group_slots[g], n, "group_slots");
+      const torch::Tensor& t = group_tables[g];
+      TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.dim() == 2 && t.size(0) == R_req && t.is_contiguous(),
+                  "group_tables: expected contiguous int64 (", R_req, ", W)");
+      for (int64_t i = 0; i < n; ++i)
+        TORCH_CHECK(group_slots[g].data_ptr<int64_t>()[i] >= 0 && group_slots[g].data_ptr<int64_t>()[i] < slots,
+                    "group_slots: group ", g, " row ", i, " outside the pool of ", slots, " slots");
+    }
+    for (int64_t l = 0; l < L_; ++l) {
+      TORCH_CHECK(layer_group[l] >= 0 && layer_group[l] < G && layer_slot[l] >= 0 && layer_slot[l] < k_cache.size(0),
+                  "layer ", l, ": group ", layer_group[l], " or pool slot ", layer_slot[l], " out of range");
+      slot_of[l] = group_slots[layer_group[l]].data_ptr<int64_t>();
+      table_of[l] = group_tables[layer_group[l]].data_ptr<int64_t>();
+      width_of[l] = group_tables[layer_group[l]].size(1);
+      pool_of[l] = layer_slot[l];
+    }
+  }
   // On a bf16 pool a whole prompt (more than one row, nothing cached before it) takes the kernel with bf16 products,
   // as the Python forward's paged backend gives it (attention/paged.py, compiled_attend), where this CPU has it
   std::vector<bool> prompt;  // (none asked for on an fp32 pool: a decode step allocates nothing for it)
@@ -225,7 +289,7 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   const int64_t own = 3 * r16(n * C) + r16(n * H * D) + r16(n * I) + r16(R * C) + (T > 1 ? r16(n * HT * D) : 0) +
                       r16(hb_n);
   const int64_t at_own = carve(T * own), at_qkv = carve(n * HT * D), at_o = carve(n * C), at_gu = carve(n * 2 * I),
-                at_cs = carve(2 * n * D), at_attn = carve(n * H * D),
+                at_cs = carve(2 * n * D), at_cl = carve(gemma_ ? 2 * n * D : 0), at_attn = carve(n * H * D),
                 at_ob = carve(bf16_ ? (n * std::max(HT * D, C) + 1) / 2 : 0),  // bf16: qkv's and wo's outputs,
                 at_ob2 = carve(bf16_ ? n * I : 0), at_ob3 = carve(bf16_ ? (n * C + 1) / 2 : 0);  // gate_up's, down's
   torch::Tensor scratch = scratch_;
@@ -235,12 +299,17 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   }
   float* const base = scratch.data_ptr<float>();
   float *qkvp = base + at_qkv, *op = base + at_o, *gup = base + at_gu, *cp = base + at_cs, *sp = cp + n * D;
+  float *clp = base + at_cl, *slp = clp + n * D;  // (gemma_) the sliding layers'
+
   float* attnp = base + at_attn;
   const auto u16 = [base](int64_t at) { return reinterpret_cast<uint16_t*>(base + at); };
   uint16_t *ob = u16(at_ob), *ob2 = u16(at_ob2), *ob3 = u16(at_ob3);
   for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
+    if (!gemma_) continue;
+    std::memcpy(clp + i * D, cos_local->data_ptr<float>() + pos[i] * D, D * sizeof(float));
+    std::memcpy(slp + i * D, sin_local->data_ptr<float>() + pos[i] * D, D * sizeof(float));
   }
   float* const xs0 = base + at_own;  // thread 0's residual stream, where the embedding goes
   if (embed_table_) {  // each token's row of the table, as `embedding` copies it (bf16: widened, exactly)
@@ -253,6 +322,8 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   } else {
     dequantize_rows(embed_.blocks, embed_.q4_1, C, id, n, xs0);
   }
+  if (gemma_)  // Gemma's embedding rows times sqrt(hidden), as Gemma3.hidden_states scales them
+    for (int64_t j = 0; j < n * C; ++j) xs0[j] = xs0[j] * embed_scale_;
   const int64_t V = mats_[4 * L_].rows;
   torch::Tensor logits = torch::empty({R, V}, f32);
   torch::Tensor head = bf16_ ? torch::empty({R * V}, f32.dtype(torch::kBFloat16)) : logits;
@@ -269,6 +340,7 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out, Team* team) {
     if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out, team);
+    else if (w.kquant > 0) block_product_int8_kquant(w.blocks, w.kquant, w.rows, w.cols, x, rows, out, team);
     else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out, team);
     else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
@@ -297,16 +369,24 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
         sync(w[1]);
         widen_bf16_row(ob, n * HT * D, qkv);
       } else {
-        add_rms_norm_rows(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hp);
+        add_rms_norm_rows(xs, nullptr, norms_[(gemma_ ? 6 : 2) * layer], n, C, eps_, nullptr, hp);
         product(w[0], hp, n, qkvp, team);
         if (team) {  // each thread ropes its own copy
           sync(w[1]);
           std::memcpy(qkv, qkvp, n * HT * D * sizeof(float));
         }
       }
-      rope_rows(qkv, cp, sp, n, HT, H + K, D);
+      if (gemma_)  // QK-norm: each token's q heads, then its k heads, normed as rows of D in place
+        for (int64_t i = 0; i < n; ++i) {
+          float* row = qkv + i * HT * D;
+          add_rms_norm_rows(row, nullptr, norms_[6 * layer + 4], H, D, eps_, nullptr, row);
+          add_rms_norm_rows(row + H * D, nullptr, norms_[6 * layer + 5], K, D, eps_, nullptr, row + H * D);
+        }
+      const bool local = gemma_ && windows_[layer] > 0;  // a sliding layer: its own rotation speeds
+      rope_rows(qkv, local ? clp : cp, local ? slp : sp, n, HT, H + K, D);
+      const int64_t* slot = slot_of[layer];
       if (kv_bf16_) round_bf16_(qkv, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
-      const int64_t layer_bytes = layer * k_cache.stride(0) * k_cache.element_size();
+      const int64_t layer_bytes = pool_of[layer] * k_cache.stride(0) * k_cache.element_size();
       void* kp = static_cast<char*>(k_cache.data_ptr()) + layer_bytes;
       void* vp = static_cast<char*>(v_cache.data_ptr()) + layer_bytes;
       for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
@@ -335,11 +415,24 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
           std::memcpy(attnp + qsl[r] * H * D, o.data_ptr<float>(), o.numel() * sizeof(float));
         }
       }
-      paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens, tables,
-                           R_req, block_tables.size(1), scale, split_keys, attnp, team, 0, prompts ? &prompt : nullptr);
+      paged_attention_rows(qp, kp, vp, kv_bf16_, n, H, D, k_cache.size(1), k_cache.size(2), K, qsl, lens,
+                           table_of[layer], R_req, width_of[layer], scale, split_keys, attnp, team,
+                           gemma_ ? windows_[layer] : 0, prompts ? &prompt : nullptr);
       sync(w[1]);
       const float* mlp_out = op;
-      if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
+      if (gemma_) {  // Gemma3Block.forward: each sublayer's output normed before its residual add; GeGLU
+        product(w[1], attnp, n, op, team);
+        sync(w[2]);
+        add_rms_norm_rows(op, nullptr, norms_[6 * layer + 1], n, C, eps_, nullptr, hp);
+        add_rms_norm_rows(xs, hp, norms_[6 * layer + 2], n, C, eps_, x2, hp);
+        product(w[2], hp, n, gup, team);
+        sync(w[3]);
+        gelu_tanh_mul_rows(gup, n, I, ap);
+        product(w[3], ap, n, op, team);
+        sync(w[4]);
+        add_rms_norm_rows(op, nullptr, norms_[6 * layer + 3], n, C, eps_, nullptr, hp);
+        mlp_out = hp;
+      } else if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
         narrow_bf16_row(attnp, n * H * D, hb);
         bf16_product(w[1], hb, n, ob, team);
         sync(w[2]);
@@ -364,7 +457,7 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
       }
       for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + mlp_out[j];
     }
-    add_rms_norm_rows(xs, nullptr, norms_[2 * L_], n, C, eps_, nullptr, hp);
+    add_rms_norm_rows(xs, nullptr, norms_[(gemma_ ? 6 : 2) * L_], n, C, eps_, nullptr, hp);
     for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
     if (bf16_) {
       narrow_bf16_row(rowsp, R * C, hb);
@@ -428,6 +521,7 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::decode(
     torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor stop_ids, double scale,
     int64_t split_keys) {
   const int64_t R = ids.numel();
+  TORCH_CHECK(!gemma_, "decode: a Gemma model's steps run one `step` call each");
   TORCH_CHECK(steps >= 1, "steps: expected at least 1, got ", steps);
   check_i64(ids, -1, "ids");
   check_i64(positions, R, "positions");
