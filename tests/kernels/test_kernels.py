@@ -562,9 +562,10 @@ def test_a_window_wider_than_split_k_is_refused(compiled):
         kernels.paged_attention(**case)
 
 
-@pytest.mark.parametrize("H, K, D", [(4, 4, 16), (9, 3, 64), (8, 1, 20)])
+@pytest.mark.parametrize("H, K, D", [(4, 4, 16), (9, 3, 64), (8, 1, 20), (4, 1, 256)])
 def test_paged_attention_takes_any_grouping_and_head_dim(compiled, H, K, D):
-    """MHA, SmolLM2's 9-over-3 grouping, one kv head for all; a head_dim that is not a multiple of the vector."""
+    """MHA, SmolLM2's 9-over-3 grouping, one kv head for all; a head_dim that is not a multiple of the vector;
+    Gemma 3's four heads of 256 over one kv head (sixteen registers a key on AVX-512)."""
     case = ragged_case([70, 3, 45], [1, 3, 6], 16, H=H, K=K, D=D, seed=H * D)
     for split_keys in (0, 16):
         torch.testing.assert_close(kernels.paged_attention(**case, split_keys=split_keys), gathered(case),

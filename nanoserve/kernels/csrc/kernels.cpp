@@ -312,12 +312,20 @@ __attribute__((always_inline)) inline vec tree16(const vec* a) {
 // come from memory, not cache (the weights streamed since their layer last ran), so with `fetch` each key's
 // numbers are asked for AHEAD keys before their turn, and its values (read once the scores are done, at vd +
 // at[l]) now; the later rows of a prompt's tile find them in cache and skip the asking.
+// The most registers a key's numbers may take in decode_scores (head_dim / LANES): with AVX-512's 32 registers a
+// head of 256 (Gemma 3's) fits in 16 beside the sums; the 256-bit build's vectors are pairs of registers.
+#ifdef __AVX512F__
+constexpr int KEY_REGS = 16;
+#else
+constexpr int KEY_REGS = 8;
+#endif
+
 template <class T>
 void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* at, int64_t n, int64_t heads,
                    int64_t h_first, int64_t rep, int64_t D, float scale, float* scores, bool fetch = true) {
   constexpr int64_t AHEAD = 16;
   const int64_t g0 = h_first / rep, g1 = (h_first + heads - 1) / rep + 1;  // the kv heads read
-  const int64_t DV = D % LANES == 0 && D <= 8 * LANES ? D / LANES : 0;  // a query head's registers (0: none)
+  const int64_t DV = D % LANES == 0 && D <= KEY_REGS * LANES ? D / LANES : 0;  // a key's registers (0: none)
   const int64_t tiled = DV ? n / LANES * LANES : 0;  // keys reduced LANES at a time; the rest one by one (dot)
   thread_local std::vector<vec> sums;  // (head, key of the tile): running sums
   if (static_cast<int64_t>(sums.size()) < heads * LANES) sums.resize(heads * LANES);
@@ -361,7 +369,7 @@ void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* a
         }
     }
   };
-  if (DV) with_rows<8>(DV, keys);
+  if (DV) with_rows<KEY_REGS>(DV, keys);
   else keys(std::integral_constant<int, 0>{});  // every key by dot (the same bits: tree16 adds as hsum does)
 }
 
