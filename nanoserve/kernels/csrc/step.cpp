@@ -1,9 +1,8 @@
 // A model held on GGUF blocks, on tiles (fp32 or bf16) or on bf16 panels, stepped by one call
 // (nanoserve/model/compiled.py says when it runs and why): the embedding rows, every layer of the Python forward
-// (model/llama.py, Block.forward; or model/gemma3.py, Gemma3Block.forward), then the LM head at each request's last
-// token. It runs the loops the Python
-// forward reaches, in the same order, on the same rows, so its logits are that forward's bit for bit; what it saves
-// is the Python and the tensor bookkeeping between.
+// (model/llama.py, Block.forward; model/gemma3.py, Gemma3Block.forward), then the LM head at each request's last
+// token. It runs the loops the Python forward reaches, in the same order, on the same rows, so its logits are that
+// forward's bit for bit; what it saves is the Python and the tensor bookkeeping between.
 #include "nanoserve.h"
 
 #include <algorithm>
