@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from .matmul import PACK_ROWS, BlockWeight, RowGroups, pack, panels, tiled
+from .ops import rope_cos_sin
 
 
 def set_weight(module: nn.Module, name: str, w: Tensor | BlockWeight | RowGroups) -> None:
@@ -25,6 +26,38 @@ class DecoderLM(nn.Module):
     """The family-independent half of a decoder-only model (`Llama`, `Gemma3` subclass it)."""
 
     layers: nn.ModuleList
+    inv_freq: Tensor  # the rotation speeds (`rope_frequencies`); Gemma 3's sliding layers: inv_freq_local
+
+    def __init__(self):
+        super().__init__()
+        self._rope_tables: dict[bool, tuple[Tensor, Tensor]] = {}  # local or not -> cos, sin (P, D), grown on demand
+
+    def rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos/sin (B, T, 1, D) for integer positions, looked up in a table computed once (`local`: a sliding
+        layer's rotation speeds, Gemma 3's).
+
+        The table holds exactly what `rope_cos_sin` computes, so cached and uncached paths agree
+        bit for bit; it grows (doubling) when a position beyond it is asked for.
+        """
+        lo, hi = (int(p) for p in torch.aminmax(positions))
+        if lo < 0:  # not a table index: compute directly
+            cos, sin = rope_cos_sin(self.inv_freq_local if local else self.inv_freq, positions)
+            return cos.to(self.dtype), sin.to(self.dtype)
+        cos, sin = self.rope_tables(hi, positions.device, local)
+        return cos[positions][:, :, None], sin[positions][:, :, None]
+
+    def rope_tables(self, max_position: int, device: torch.device | str = "cpu", local: bool = False,
+                    ) -> tuple[Tensor, Tensor]:
+        """The cos/sin tables (P, D) `rope` reads, covering positions 0..max_position at least: what the compiled
+        step (`model.compiled`) looks its positions up in too."""
+        table = self._rope_tables.get(local)
+        if table is None or table[0].shape[0] <= max_position or table[0].dtype != self.dtype \
+                or table[0].device != torch.device(device):
+            size = max(256, 1 << max_position.bit_length())
+            speeds = self.inv_freq_local if local else self.inv_freq
+            cos, sin = rope_cos_sin(speeds, torch.arange(size, device=device)[None])
+            table = self._rope_tables[local] = (cos[0, :, 0].to(self.dtype), sin[0, :, 0].to(self.dtype))  # (P, D)
+        return table
 
     def matrices(self) -> list[Tensor | BlockWeight | RowGroups]:
         """Every matrix a product multiplies by: each layer's four, then the head."""

@@ -86,9 +86,8 @@ def _one_format(w: Tensor | BlockWeight | RowGroups) -> Tensor | BlockWeight | N
 class BlockStep:
     """The model's weights handed to the compiled `BlockModel` once (checked there), then one call per step."""
 
-    def __init__(self, model: Llama | Gemma3, compiled, held: list[BlockWeight] | None = None):
+    def __init__(self, model: Llama | Gemma3, compiled):
         self.model, self.compiled = model, compiled
-        self.held = held or []  # matrices made for the step (a Gemma layer's merged row groups): their bytes stay
         self.gemma = isinstance(model, Gemma3)
 
     @classmethod
@@ -127,11 +126,9 @@ class BlockStep:
         if not kernels.available() or not int8.packed_here() or model.dtype != torch.float32 \
                 or model.kv_dtype != torch.float32 or any(b.q_scale is not None for b in model.layers):
             return None
-        given = [getattr(b, n) for b in model.layers for n in ("wqkv", "wo", "w_gate_up", "w_down")] + [model.embed]
-        mats = [_one_format(w) for w in given]
-        if not all(isinstance(w, BlockWeight) and w.activations == "int8" and w.fmt != "q4_1" for w in mats):
+        mats = [_one_format(w) for w in model.matrices()]  # (BlockModel keeps the tensors it is given)
+        if not all(isinstance(w, BlockWeight) and w.activations == "int8" for w in mats):
             return None
-        held = [m for m, w in zip(mats, given) if m is not w]  # the merged row groups
         fmts = [w.fmt for w in mats]
         packed = [NO_PACKED if f in ("q4_k", "q6_k") else w.int8_packed() for w, f in zip(mats, fmts)]
         if any(p is None for p in packed):
@@ -143,7 +140,7 @@ class BlockStep:
             model.embed.blocks, model.embed.fmt, norms, [w.blocks for w in mats], fmts, [True] * len(mats), packed,
             cfg.n_heads, cfg.n_kv_heads, cfg.rms_norm_eps, False, [cfg.window(i) or 0 for i in range(cfg.n_layers)],
             float(model.embed_scale))
-        return cls(model, compiled, held)
+        return cls(model, compiled)
 
     def __call__(self, ids: Tensor, md: AttentionMetadata, storage, rows: Tensor | None = None,
                  split_keys: int | None = None, groups: list[AttentionMetadata] | None = None,

@@ -31,7 +31,7 @@ from ..config import ModelConfig
 from .base import DecoderLM, set_weight
 from .gguf_file import gguf_field, hf_tensors
 from .matmul import embedding, linear, linear_weight
-from .ops import add_rms_norm, gelu_tanh_mul, rope_cos_sin, rope_frequencies, rope_qk
+from .ops import add_rms_norm, gelu_tanh_mul, rope_frequencies, rope_qk
 
 
 def one_plus(module: nn.Module, names: tuple[str, ...]) -> list[Tensor]:
@@ -138,7 +138,6 @@ class Gemma3(DecoderLM):
         self.register_buffer("embed_scale", torch.tensor(math.sqrt(C)), persistent=False)  # fp32, as transformers
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)  # the full layers'
         self.register_buffer("inv_freq_local", rope_frequencies(cfg, cfg.rope_local_theta), persistent=False)
-        self._rope_tables: dict[bool, tuple[Tensor, Tensor]] = {}  # local or not -> cos, sin (P, D), grown on demand
 
     @property
     def lm_head(self) -> Tensor:
@@ -147,26 +146,6 @@ class Gemma3(DecoderLM):
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.dtype
-
-    def rope_tables(self, max_position: int, device: torch.device | str = "cpu", local: bool = False,
-                    ) -> tuple[Tensor, Tensor]:
-        """The cos/sin tables (P, D) of the full layers' rotations (`local`: the sliding layers'), covering positions
-        0..max_position at least: what `rope_cos_sin` computes for each position, so that a step that looks its
-        positions up (here, and the compiled step) rotates by the same numbers."""
-        table = self._rope_tables.get(local)
-        if table is None or table[0].shape[0] <= max_position or table[0].device != torch.device(device):
-            size = max(256, 1 << max_position.bit_length())
-            speeds = self.inv_freq_local if local else self.inv_freq
-            cos, sin = rope_cos_sin(speeds, torch.arange(size, device=device)[None])
-            table = self._rope_tables[local] = (cos[0, :, 0], sin[0, :, 0])
-        return table
-
-    def rope(self, positions: Tensor, local: bool = False) -> tuple[Tensor, Tensor]:
-        """cos/sin (B, T, 1, D) for integer positions, looked up in `rope_tables`."""
-        if int(positions.min()) < 0:  # not a table index: compute directly
-            return rope_cos_sin(self.inv_freq_local if local else self.inv_freq, positions)  # (B, T, 1, D)
-        cos, sin = self.rope_tables(int(positions.max()), positions.device, local)
-        return cos[positions][:, :, None], sin[positions][:, :, None]
 
     def hidden_states(self, ids: Tensor, positions: Tensor | None = None, kv: KVBackend | None = None,
                       compiled: bool | None = None) -> Tensor:

@@ -30,7 +30,7 @@ from ..attention.causal import KVBackend, no_cache_backend
 from ..config import ModelConfig
 from .base import DecoderLM
 from .matmul import embedding, forward_rows, linear, linear_weight
-from .ops import add_rms_norm, rope_cos_sin, rope_frequencies, rope_qk, silu_mul
+from .ops import add_rms_norm, rope_frequencies, rope_qk, silu_mul
 
 
 class Block(nn.Module):
@@ -94,30 +94,6 @@ class Llama(DecoderLM):
         self.norm = nn.Parameter(torch.ones(C))
         self.lm_head = self.embed if cfg.tie_word_embeddings else linear_weight(V, C)
         self.register_buffer("inv_freq", rope_frequencies(cfg), persistent=False)
-        self._rope_table: tuple[Tensor, Tensor] | None = None  # cos, sin (P, D), grown on demand
-
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos/sin (B, T, 1, D) for integer positions, looked up in a table computed once.
-
-        The table holds exactly what `rope_cos_sin` computes, so cached and uncached paths agree
-        bit for bit; it grows (doubling) when a position beyond it is asked for.
-        """
-        lo, hi = (int(p) for p in torch.aminmax(positions))
-        if lo < 0:  # not a table index: compute directly
-            cos, sin = rope_cos_sin(self.inv_freq, positions)
-            return cos.to(self.dtype), sin.to(self.dtype)
-        cos, sin = self.rope_tables(hi, positions.device)
-        return cos[positions][:, :, None], sin[positions][:, :, None]
-
-    def rope_tables(self, max_position: int, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
-        """The cos/sin tables (P, D) `rope` reads, covering positions 0..max_position at least."""
-        table = self._rope_table
-        if table is None or table[0].shape[0] <= max_position or table[0].dtype != self.dtype \
-                or table[0].device != torch.device(device):
-            size = max(256, 1 << max_position.bit_length())
-            cos, sin = rope_cos_sin(self.inv_freq, torch.arange(size, device=device)[None])
-            table = self._rope_table = (cos[0, :, 0].to(self.dtype), sin[0, :, 0].to(self.dtype))  # (P, D)
-        return table
 
     @property
     def dtype(self) -> torch.dtype:
