@@ -358,6 +358,20 @@ GROUP_AVX2 inline void halves8(const __m256i* p, __m256i& i0, __m256i& i1) {
   i1 = _mm256_permute2x128_si256(h0, h1, 0x31);
 }
 
+// group_c's steps for eight groups in the lanes of a register: scales a and b, x's d and (Q4_K) ds at `ds`, the
+// integer sums of each group's halves.
+template <GFmt F>
+GROUP_AVX2 inline __m256 group_c8(__m256 sa, __m256 sb, __m256 d, const float* ds, __m256i i0, __m256i i1) {
+  if constexpr (F == GFmt::Q6_K) {
+    const __m256 c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(i0));
+    return _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(sb, d), _mm256_cvtepi32_ps(i1)));
+  } else {
+    const __m256 c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
+    if constexpr (F == GFmt::Q4_K) return _mm256_add_ps(c, _mm256_mul_ps(sb, _mm256_loadu_ps(ds)));
+    return c;
+  }
+}
+
 // group_rows_scalar's arithmetic with each half's integer sum taken by vpmaddubsw (|qw| <= 32 and |q| <= 127: no
 // pair of products saturates 16 bits) and vpmaddwd, eight groups at a time: groups 8c..8c + 7 are lanes 0-7 or
 // 8-15 of acc, so their fp32 steps (group_c's, lane by lane) are vector steps. A row's last nb % 8 groups take
@@ -396,15 +410,7 @@ GROUP_AVX2 void group_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t o0,
           __m256i i0, i1;
           halves8(p, i0, i1);
           const int64_t at = (r0 + r) * a.ld + g;
-          const __m256 d = _mm256_loadu_ps(a.d + at);
-          __m256 c;
-          if constexpr (F == GFmt::Q6_K) {
-            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(i0));
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(vb, d), _mm256_cvtepi32_ps(i1)));
-          } else {
-            c = _mm256_mul_ps(_mm256_mul_ps(va, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
-            if constexpr (F == GFmt::Q4_K) c = _mm256_add_ps(c, _mm256_mul_ps(vb, _mm256_loadu_ps(a.ds + at)));
-          }
+          const __m256 c = group_c8<F>(va, vb, _mm256_loadu_ps(a.d + at), a.ds + at, i0, i1);
           __m256& lane = accv[r][(g / 8) % 2];
           lane = _mm256_add_ps(lane, c);
         }
@@ -1601,15 +1607,7 @@ ROAD_FN void krows_few(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t 
             sums = _mm512_sub_epi32(sums, _mm512_loadu_si512(xh + ((r0 + r) * supers + u) * 16));
           const __m256i i0 = _mm512_castsi512_si256(sums), i1 = _mm512_extracti64x4_epi64(sums, 1);
           const int64_t at = (r0 + r) * a.ld + 8 * u;
-          const __m256 d = _mm256_loadu_ps(a.d + at);
-          __m256 c;
-          if constexpr (F == GFmt::Q6_K) {
-            c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(i0));
-            c = _mm256_add_ps(c, _mm256_mul_ps(_mm256_mul_ps(sb, d), _mm256_cvtepi32_ps(i1)));
-          } else {
-            c = _mm256_mul_ps(_mm256_mul_ps(sa, d), _mm256_cvtepi32_ps(_mm256_add_epi32(i0, i1)));
-            c = _mm256_add_ps(c, _mm256_mul_ps(sb, _mm256_loadu_ps(a.ds + at)));
-          }
+          const __m256 c = group_c8<F>(sa, sb, _mm256_loadu_ps(a.d + at), a.ds + at, i0, i1);
           acc[r][u % 2] = _mm256_add_ps(acc[r][u % 2], c);
         }
       }

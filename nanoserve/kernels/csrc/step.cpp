@@ -419,19 +419,7 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
                            gemma_ ? windows_[layer] : 0, prompts ? &prompt : nullptr);
       sync(w[1]);
       const float* mlp_out = op;
-      if (gemma_) {  // Gemma3Block.forward: each sublayer's output normed before its residual add; GeGLU
-        product(w[1], attnp, n, op, team);
-        sync(w[2]);
-        add_rms_norm_rows(op, nullptr, norms_[6 * layer + 1], n, C, eps_, nullptr, hp);
-        add_rms_norm_rows(xs, hp, norms_[6 * layer + 2], n, C, eps_, x2, hp);
-        product(w[2], hp, n, gup, team);
-        sync(w[3]);
-        gelu_tanh_mul_rows(gup, n, I, ap);
-        product(w[3], ap, n, op, team);
-        sync(w[4]);
-        add_rms_norm_rows(op, nullptr, norms_[6 * layer + 3], n, C, eps_, nullptr, hp);
-        mlp_out = hp;
-      } else if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
+      if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
         narrow_bf16_row(attnp, n * H * D, hb);
         bf16_product(w[1], hb, n, ob, team);
         sync(w[2]);
@@ -443,16 +431,22 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
         sync(w[4]);
         widen_bf16_row(ob3, n * C, hp);  // each thread widens it for itself
         mlp_out = hp;
-      } else {
+      } else {  // (Gemma3Block.forward: each sublayer's output normed before its residual add; GeGLU)
         product(w[1], attnp, n, op, team);
         sync(w[2]);
-        add_rms_norm_rows(xs, op, norms_[2 * layer + 1], n, C, eps_, x2, hp);
+        if (gemma_) add_rms_norm_rows(op, nullptr, norms_[6 * layer + 1], n, C, eps_, nullptr, hp);
+        add_rms_norm_rows(xs, gemma_ ? hp : op, norms_[gemma_ ? 6 * layer + 2 : 2 * layer + 1], n, C, eps_, x2, hp);
         // the MLP: x + w_down(silu(gate) * up)
         product(w[2], hp, n, gup, team);
         sync(w[3]);
-        silu_mul_rows(gup, n, I, ap);
+        if (gemma_) gelu_tanh_mul_rows(gup, n, I, ap);
+        else silu_mul_rows(gup, n, I, ap);
         product(w[3], ap, n, op, team);
         sync(w[4]);
+        if (gemma_) {
+          add_rms_norm_rows(op, nullptr, norms_[6 * layer + 3], n, C, eps_, nullptr, hp);
+          mlp_out = hp;
+        }
       }
       for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + mlp_out[j];
     }
