@@ -10,9 +10,10 @@
 This is the package's one generation loop: `generate`, the CLI, `LLM` and the server all run their
 requests through it, one request or many. A step: the scheduler plans (`Scheduler.schedule`), the
 model runner computes every scheduled chunk in one forward (whole prompts, chunks of prompts, decode
-tokens and speculative drafts side by side), one sampler call chooses a token for every sequence
-whose chunk reached its last token (`sampling.sample`), and the scheduler does the bookkeeping
-(`Scheduler.update_from_output`). With speculative decoding on, each greedy sequence then drafts its
+tokens and speculative drafts side by side) and, in one sampler call, chooses a token for every
+sequence whose chunk reached its last token (`ModelRunner.execute_model`, as vLLM V1's: the engine
+lays out how each is chosen, `SamplingBatch`, and never holds the logits), and the scheduler does the
+bookkeeping (`Scheduler.update_from_output`). With speculative decoding on, each greedy sequence then drafts its
 next tokens by prompt lookup (`engine.spec`), to be verified in the next step. With `num_scheduler_steps`
 = k > 1, a step in which every running sequence decodes greedily and no one waits runs up to k forwards,
 each fed the last one's argmax, in one call (`ModelRunner.decode`): the host's work once per k tokens.
@@ -38,11 +39,11 @@ from ..kv.groups import kv_cache_groups, single_group
 from ..kv.hybrid import HybridBlockManager
 from ..kv.storage import KVStorage
 from ..model import Llama
-from ..sampling import INVALID, SEED_BITS, SamplingParams, logprobs_of, sample
+from ..sampling import INVALID, SEED_BITS, SamplingParams
 from ..structured import GrammarCompiler, GrammarError, words
 from ..tokenizer import Tokenizer
 from .checks import check_prompt
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, RunnerOutput, SamplingBatch
 from .outputs import StepOutput
 from .request import FinishReason, Request
 from .scheduler import Scheduler, SchedulerOutput
@@ -237,13 +238,13 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
-        """Schedule, run one forward, sample, do the bookkeeping, draft; report what changed, per sequence."""
+        """Schedule; the runner's forward and sampling; the bookkeeping; drafts. Reports what changed, per sequence."""
         if self.threads is not None:
             self.threads.adjust()
         t0 = self.clock()
         plan = self.scheduler.schedule(self.steps)
         t1 = self.clock()
-        outputs, t2, prep, accepted, forwards = [], t1, 0.0, 0, 1
+        outputs, t2, prep, samp, accepted, forwards = [], t1, 0.0, 0.0, 0, 1
         if plan.chunks:
             chunks = [Chunk(c.token_ids, c.start, c.request.table.blocks) for c in plan.chunks]
             if plan.num_steps > 1:  # greedy decodes only: each forward's argmax is the next one's input
@@ -253,9 +254,12 @@ class LLMEngine:
                 t2, prep = self.clock(), self.runner.last_prepare_s
                 sampled, logprobs = {c.request: t for c, t in zip(plan.chunks, tokens)}, {}
             else:
-                logits = self.runner.execute(chunks, plan.copies, [c.num_logits for c in plan.chunks])
-                t2, prep = self.clock(), self.runner.last_prepare_s
-                sampled, logprobs = self._sample(plan, logits)
+                tb = self.clock()
+                batch, owners, scored = self._sampling_batch(plan)  # grammars' masks filled while laying it out
+                tb = self.clock() - tb
+                out = self.runner.execute_model(chunks, plan.copies, [c.num_logits for c in plan.chunks], batch)
+                t2, prep, samp = self.clock(), self.runner.last_prepare_s, self.runner.last_sample_s + tb
+                sampled, logprobs = self._take(plan, out, owners, scored)
             accepted = sum(len(sampled[c.request]) - 1 for c in plan.chunks if c.num_drafts and c.request in sampled)
             outputs = self.scheduler.update_from_output(plan, sampled, t2, self.steps, logprobs)
             self._retire()
@@ -266,62 +270,67 @@ class LLMEngine:
             self.scheduler.step_cost.observe(plan.num_tokens, t3 - t0)
         self.history.append(StepRecord(
             self.steps, len(plan.chunks), plan.num_decode_tokens, plan.num_tokens - plan.num_decode_tokens,
-            len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep, t3 - t2,
+            len(plan.admitted), len(plan.preempted), t1 - t0, prep, t2 - t1 - prep - samp, t3 - t2 + samp,
             tuple((c.request.seq_id, c.start, c.num_tokens) for c in plan.chunks), plan.num_draft_tokens,
             accepted, forwards))
         self.steps += 1
         return outputs
 
-    def _sample(self, plan: SchedulerOutput, logits: torch.Tensor
-                ) -> tuple[dict[Request, list[int]], dict[Request, list]]:
-        """One sampler call for the step: a row per sampled sequence (a request's waiting samples read its
-        prompt's row), k + 1 rows for a sequence with k drafts, each constrained row with its grammar's mask.
-        Returns each sequence's tokens (the drafts its argmax agreed with, then its own next token) and, where
-        asked for, their log-probabilities; prompt rows asked to be scored are scored on the way."""
-        rows, samplers, seen, generated, owners, masks = [], [], [], [], [], {}
+    def _sampling_batch(self, plan: SchedulerOutput) -> tuple[SamplingBatch, list[Request], list]:
+        """How the runner chooses this step's tokens: a pick per sampled token (a request's waiting samples read
+        its prompt's row), k + 1 for a sequence with k drafts, each constrained one with its grammar's mask, and
+        the prompt rows asked to be scored. Returns it with each pick's sequence and each score's request."""
+        batch, owners, scored = SamplingBatch(), [], []  # scored: (chunk, whether it has rows to score)
         at = 0
         for c in plan.chunks:
-            if c.num_logits > c.num_sampled:  # the chunk's prompt rows: each scores the prompt token after it
-                self._score_prompt(c, logits[at:at + c.num_logits - c.num_sampled])
-            at += c.num_logits - c.num_sampled
+            prompt_rows = c.num_logits - c.num_sampled  # the chunk's prompt rows: each scores the token after it
+            n = min(prompt_rows, c.request.num_prompt_tokens - 1 - c.start) if prompt_rows else 0
+            if n > 0:
+                targets = c.request.prompt_token_ids[c.start + 1:c.start + 1 + n]
+                batch.scores.append((at, targets, c.request.params.prompt_logprobs))
+            if prompt_rows:
+                scored.append((c, n > 0))
+            at += prompt_rows
             if not c.completes:
                 continue
             for seq in [c.request, *c.request.forks]:
                 for i in range(c.num_sampled):
-                    if seq.matcher is not None:
-                        masks[len(rows)] = self._mask(seq)
-                    rows.append(at + i)
-                    samplers.append(seq.sampler)
-                    seen.append(seq.all_token_ids if seq.params.repetition_penalty != 1.0 else ())
-                    generated.append(seq.output_token_ids)
+                    constrained = seq.matcher is not None
+                    batch.add(at + i, seq.sampler, seq.all_token_ids if seq.params.repetition_penalty != 1.0 else (),
+                              seq.output_token_ids, self._mask(seq) if constrained else None, constrained,
+                              seq.params.logprobs)
                     owners.append(seq)
             at += c.num_sampled
-        every = rows == list(range(len(logits)))
-        chosen_rows, best = (logits, self.runner.last_argmax) if every else (logits[rows], None)
-        picks = sample(chosen_rows, samplers, seen, self.runner.kernels, generated,
-                       {i: m for i, m in masks.items() if m is not None}, best)
-        for i, m in masks.items():
-            if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
-                picks[i] = INVALID
+        return batch, owners, scored
+
+    def _take(self, plan: SchedulerOutput, out: RunnerOutput, owners: list[Request], scored: list
+              ) -> tuple[dict[Request, list[int]], dict[Request, list]]:
+        """The runner's choices, per sequence: its tokens (the drafts its argmax agreed with, then its own next
+        token) and, where asked for, their log-probabilities; scored prompt rows go to their requests."""
+        scores = iter(out.prompt_logprobs)
+        for c, has_rows in scored:
+            if has_rows:
+                c.request.prompt_logprobs_partial += next(scores)
+            self._prompt_scored(c)
         chosen: dict[Request, list[int]] = {}
-        for seq, t in zip(owners, picks):
-            chosen.setdefault(seq, []).append(t)
-        wanted = [i for i, seq in enumerate(owners) if seq.params.logprobs is not None and picks[i] != INVALID]
         logprobs: dict[Request, list] = {}
-        if wanted:
-            asked = chosen_rows if len(wanted) == len(chosen_rows) else chosen_rows[wanted]  # no copy when all ask
-            lps = logprobs_of(asked, [picks[i] for i in wanted],
-                              [owners[i].params.logprobs for i in wanted], self.runner.kernels)
-            for i, lp in zip(wanted, lps):
-                logprobs.setdefault(owners[i], []).append(lp)
-        for c in plan.chunks:  # a draft stands while the model's own choice agrees with it
+        for i, (seq, t) in enumerate(zip(owners, out.tokens)):
+            chosen.setdefault(seq, []).append(t)
+            if i in out.logprobs:
+                logprobs.setdefault(seq, []).append(out.logprobs[i])
+        self._accept_drafts(plan, chosen)
+        return chosen, logprobs
+
+    def _accept_drafts(self, plan: SchedulerOutput, chosen: dict[Request, list[int]]) -> None:
+        """A draft stands while the model's own choice after the tokens before it agrees with it; the first
+        disagreement is replaced by that choice, and what follows is dropped."""
+        for c in plan.chunks:
             if c.num_drafts and c.request in chosen:
                 got = chosen[c.request]
                 n = 0
                 while n < c.num_drafts and got[n] == c.token_ids[-c.num_drafts + n] and got[n] != INVALID:
                     n += 1
                 chosen[c.request] = got[:n + 1]
-        return chosen, logprobs
 
     def _mask(self, seq: Request) -> torch.Tensor | None:
         """The tokens a constrained sequence may take next, as a bitmask; None if its grammar failed."""
@@ -333,16 +342,11 @@ class LLMEngine:
             return None
         return mask
 
-    def _score_prompt(self, c, logits: torch.Tensor) -> None:
-        """Log-probabilities of a chunk's prompt tokens: row i (position start + i) scores the token after it."""
+    @staticmethod
+    def _prompt_scored(c) -> None:
+        """Once a request's whole prompt has been scored, its log-probabilities are whole (its forks' too)."""
         req = c.request
-        P, start = req.num_prompt_tokens, c.start
-        n = min(len(logits), P - 1 - start)  # rows whose next token is still the prompt's
-        if n > 0:
-            targets = req.prompt_token_ids[start + 1:start + 1 + n]
-            req.prompt_logprobs_partial += logprobs_of(logits[:n], targets, [req.params.prompt_logprobs] * n,
-                                                       self.runner.kernels)
-        if start + len(c.token_ids) >= P:  # the whole prompt is scored
+        if c.start + len(c.token_ids) >= req.num_prompt_tokens:
             req.prompt_logprobs = [None, *req.prompt_logprobs_partial]
             req.prompt_logprobs_partial = []
             for f in req.forks:

@@ -7,6 +7,10 @@ asked for, lays the requests end to end (`attention.prepare`), runs the model on
 list of tokens with the paged attention backend, and returns the logits the caller wants: by
 default each request's next-token logits, or the last few rows of a request (speculative
 decoding's verification). It decides nothing about who runs: that is the caller's business.
+
+`execute_model` is the engine's call, as in vLLM V1: the step's forward and then its sampling
+(`SamplingBatch`, laid out by the engine from its requests), returning tokens and log-probabilities,
+so that a step's logits, a row of vocab_size floats per token read, never leave the runner.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import itertools
 import time
 from array import array
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +31,47 @@ from ..kv.storage import KVStorage
 from ..model import Llama
 from ..model.compiled import BlockStep, applies
 from ..model.matmul import forward_rows
-from ..sampling import argmax_rows
+from ..sampling import INVALID, RowSampler, argmax_rows, logprobs_of, sample
+
+Logprobs = dict[int, tuple[float, int]]
+"""One token's log-probabilities: {token: (logprob, rank)}, the chosen token first (`sampling.logprobs_of`)."""
+
+
+@dataclass
+class SamplingBatch:
+    """How a step's tokens are chosen from its logits, laid out by the engine from its requests before the
+    forward: a pick per sampled token (the logit row it reads, its sampler, what its penalties read, its grammar's
+    mask) and the prompt rows to score. The runner applies it, so the logits stay where they were made."""
+
+    rows: list[int] = field(default_factory=list)  # the logit row each pick reads
+    samplers: list[RowSampler] = field(default_factory=list)
+    seen: list[Sequence[int]] = field(default_factory=list)  # a pick's tokens so far (the repetition penalty)
+    generated: list[Sequence[int]] = field(default_factory=list)  # ... its output alone (presence, frequency)
+    masks: dict[int, Tensor | None] = field(default_factory=dict)  # pick -> allowed tokens; None: grammar failed
+    logprobs: dict[int, int] = field(default_factory=dict)  # pick -> how many top log-probabilities it asks for
+    scores: list[tuple[int, list[int], int]] = field(default_factory=list)  # (first row, prompt tokens, top k)
+
+    def add(self, row: int, sampler: RowSampler, seen: Sequence[int], generated: Sequence[int],
+            mask: Tensor | None = None, masked: bool = False, logprobs: int | None = None) -> None:
+        """One pick: row `row`'s next token; `masked` with `mask` None marks a grammar that already failed."""
+        if masked:
+            self.masks[len(self.rows)] = mask
+        if logprobs is not None:
+            self.logprobs[len(self.rows)] = logprobs
+        self.rows.append(row)
+        self.samplers.append(sampler)
+        self.seen.append(seen)
+        self.generated.append(generated)
+
+
+@dataclass
+class RunnerOutput:
+    """What a step chose: a token per pick (`INVALID` where its row could not be sampled or its grammar failed),
+    the log-probabilities a pick asked for, and each scored prompt range's, row by row."""
+
+    tokens: list[int]
+    logprobs: dict[int, Logprobs]
+    prompt_logprobs: list[list[Logprobs]]
 
 
 class ModelRunner:
@@ -55,6 +100,7 @@ class ModelRunner:
         use_step = compiled_step is not False and self.attention == "compiled"  # (BlockStep.of: Llama's, Gemma's)
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
+        self.last_sample_s = 0.0  # ... and choosing its tokens (`execute_model`)
         self.last_argmax: Tensor | None = None  # the last step's argmax of each row it returned, where it has one
 
     @property
@@ -95,6 +141,37 @@ class ModelRunner:
         if len(h) == 1 and len(ids) > 1:  # one row of a step of several: the head runs the batch's product
             return self.model.logits(F.pad(h, (0, 0, 0, 1)), self.kernels)[:1]  # kernel, as in any batch
         return self.model.logits(h, self.kernels)
+
+    @torch.inference_mode()
+    def execute_model(self, chunks: Sequence[Chunk], copies: Sequence[tuple[int, int]], num_logits: Sequence[int],
+                      batch: SamplingBatch) -> RunnerOutput:
+        """One step as the engine runs it: `execute`, then choose every pick's token in one sampler call, with
+        the log-probabilities asked for, and score the prompt rows `batch.scores` names."""
+        logits = self.execute(chunks, copies, num_logits)
+        t0 = time.perf_counter()
+        out = self.sample(logits, batch)
+        self.last_sample_s = time.perf_counter() - t0
+        return out
+
+    def sample(self, logits: Tensor, batch: SamplingBatch) -> RunnerOutput:
+        """`batch` applied to a step's logits (`execute_model`'s second half)."""
+        prompt = [logprobs_of(logits[s:s + len(t)], t, [k] * len(t), self.kernels) for s, t, k in batch.scores]
+        if not batch.rows:
+            return RunnerOutput([], {}, prompt)
+        every = batch.rows == list(range(len(logits)))
+        rows, best = (logits, self.last_argmax) if every else (logits[batch.rows], None)
+        masks = {i: m for i, m in batch.masks.items() if m is not None}
+        tokens = sample(rows, batch.samplers, batch.seen, self.kernels, batch.generated, masks, best)
+        for i, m in batch.masks.items():
+            if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
+                tokens[i] = INVALID
+        wanted = [i for i in batch.logprobs if tokens[i] != INVALID]
+        logprobs: dict[int, Logprobs] = {}
+        if wanted:
+            asked = rows if len(wanted) == len(rows) else rows[wanted]  # no copy when all ask
+            lps = logprobs_of(asked, [tokens[i] for i in wanted], [batch.logprobs[i] for i in wanted], self.kernels)
+            logprobs = dict(zip(wanted, lps))
+        return RunnerOutput(tokens, logprobs, prompt)
 
     @torch.inference_mode()
     def decode(self, chunks: Sequence[Chunk], copies: Sequence[tuple[int, int]], steps: int,

@@ -50,7 +50,7 @@ class FinishReason(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence's whole state. The scheduler moves it between queues; the engine samples for it."""
+    """One sequence's whole state. The scheduler moves it between queues; the runner samples for it."""
 
     request_id: str  # the caller's id (shared by the n samples of one request)
     prompt_token_ids: list[int]

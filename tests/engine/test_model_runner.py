@@ -85,6 +85,41 @@ def test_num_logits_reads_the_last_rows_of_each_request(tiny_model, road):
                           num_logits=[0]).shape == (0, tiny_model.cfg.vocab_size)
 
 
+def test_execute_model_samples_in_the_runner_what_the_sampler_would_choose_from_the_logits(tiny_model, road):
+    """The engine's call: the forward, then each pick's token (greedy, seeded, a failed grammar's INVALID), the
+    log-probabilities asked for and a prompt's scored rows, as `sample` and `logprobs_of` give them from the same
+    step's logits: the tokens leave the runner, the logits do not."""
+    from nanoserve.engine.model_runner import SamplingBatch
+    from nanoserve.sampling import INVALID, RowSampler, SamplingParams, logprobs_of, sample
+
+    def step(runner, manager):
+        a, b = ids_of(9, 11), ids_of(6, 12)
+        tables = [manager.new_table() for _ in range(2)]
+        for t, ids in zip(tables, (a, b)):
+            manager.append_slots(t, ids)
+        return [Chunk(a, 0, tables[0].blocks), Chunk(b, 0, tables[1].blocks)], a
+
+    def batch(prompt):
+        out = SamplingBatch(scores=[(0, prompt[1:5], 2)])  # rows 0-3 of the first request score its tokens 1-4
+        out.add(4, RowSampler(SamplingParams(temperature=0)), (), (), logprobs=3)
+        out.add(5, RowSampler(SamplingParams(temperature=0.8, top_k=20, seed=7)), (), (), logprobs=0)
+        out.add(5, RowSampler(SamplingParams(temperature=0)), (), (), None, masked=True, logprobs=1)  # grammar failed
+        return out
+
+    manager, runner = pool(tiny_model, 32, 4, KERNELS[road])
+    chunks, prompt = step(runner, manager)
+    got = runner.execute_model(chunks, (), [5, 1], batch(prompt))
+    manager, plain = pool(tiny_model, 32, 4, KERNELS[road])
+    chunks, _ = step(plain, manager)
+    logits = plain.execute(chunks, num_logits=[5, 1])
+    want = batch(prompt)
+    tokens = sample(logits[want.rows], want.samplers, want.seen, plain.kernels, want.generated)
+    assert got.tokens == [*tokens[:2], INVALID]
+    assert got.logprobs == dict(enumerate(logprobs_of(logits[[4, 5]], tokens[:2], [3, 0], plain.kernels)))
+    assert got.prompt_logprobs == [logprobs_of(logits[:4], prompt[1:5], [2] * 4, plain.kernels)]
+    assert runner.last_sample_s > 0
+
+
 def test_the_runner_makes_the_block_copies_before_the_forward(tiny_model):
     """A fork's first write into a shared, partly filled block: the manager says copy it, the runner does,
     before the forward writes the new token, so the parent's keys are untouched and the child's complete."""

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from prompts import near_tie_horizon
 
 from nanoserve.config import ModelConfig, SpeculativeConfig
-from nanoserve.engine import LLMEngine
+from nanoserve.engine import LLMEngine, ModelRunner
 from nanoserve.engine.spec import NgramIndex, Proposal, expected_tokens_per_forward, propose
 from nanoserve.generate import generate
 from nanoserve.kv.blocks import BlockManager
@@ -126,7 +126,7 @@ class ScriptedRunner:
     logits, where the tokens are read back from its own slots (written by each step, as K/V would be). A
     rejected draft left in a block the engine reuses would be read back, and change the tokens."""
 
-    kernels, last_prepare_s, last_argmax = False, 0.0, None
+    kernels, last_prepare_s, last_sample_s, last_argmax = False, 0.0, 0.0, None
 
     def __init__(self, rule, block_size):
         self.rule, self.bs, self.slots = rule, block_size, {}
@@ -146,6 +146,9 @@ class ScriptedRunner:
                 seq = [self.slots[slot(q)] for q in range(p + 1)]
                 rows.append(torch.nn.functional.one_hot(torch.tensor(self.rule(seq)), V).float())
         return torch.stack(rows) if rows else torch.zeros(0, V)
+
+    def execute_model(self, chunks, copies, num_logits, batch):
+        return ModelRunner.sample(self, self.execute(chunks, copies, num_logits), batch)  # the runner's own sampler
 
 
 def copy_rule(period: int, twist: int):

@@ -350,16 +350,16 @@ def test_draining_answers_503_and_ends_what_outlives_the_grace_with_an_error_eve
 def test_a_request_the_engine_fails_ends_alone_with_an_error(vocab_model, tok, monkeypatch):
     """A row that cannot be sampled (the engine's "error" finish): its stream gets an error event and [DONE], the
     same request unstreamed a 500 in OpenAI's shape, and a request beside them finishes as usual."""
-    import nanoserve.engine.llm_engine as llm_engine
+    import nanoserve.engine.model_runner as model_runner
     from nanoserve.sampling import INVALID
 
-    sample = llm_engine.sample
+    sample = model_runner.sample
 
     def failing_seed_666(logits, rows, *args, **kwargs):
         picks = sample(logits, rows, *args, **kwargs)
         return [INVALID if r.params.seed == 666 else t for r, t in zip(rows, picks)]
 
-    monkeypatch.setattr(llm_engine, "sample", failing_seed_666)
+    monkeypatch.setattr(model_runner, "sample", failing_seed_666)
     with tiny_server(vocab_model, tok) as (srv, _, gate):
         gate.close()  # all three in flight together
         lines, opened = [], threading.Event()
