@@ -369,7 +369,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = True  # a sequence's bits do not depend on what shares its steps
-    kernels: bool | None = None  # the compiled kernels: None where they run, True insists, False never
+    compiled: bool | str | None = None  # the compiled kernels: None where they run, True insists, False never
+    # ('ops': op by op under the Python forward, never the one-call step; `ModelRunner`)
     threads: int | str | None = None  # torch threads: a number, "auto" (the cores others leave free), None: as is
     history_kept: int = 4096  # step records kept (a long-running server must not grow without bound)
     finished_kept: int = 1024  # finished requests kept for reading after their last output
@@ -380,7 +381,7 @@ class EngineConfig:
                 "max_num_seqs": "scheduler",
                 "max_num_batched_tokens": "scheduler", "enable_chunked_prefill": ("scheduler", "chunked_prefill"),
                 "num_scheduler_steps": "scheduler", "tpot_slo_ms": "scheduler",
-                "speculative_config": "speculative", "batch_invariant": "", "kernels": "", "threads": ""}
+                "speculative_config": "speculative", "batch_invariant": "", "compiled": "", "threads": ""}
 
     def __post_init__(self) -> None:
         self.speculative = SpeculativeConfig.of(self.speculative)

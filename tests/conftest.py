@@ -66,7 +66,7 @@ def compiled():
 @pytest.fixture(params=["compiled", "torch-ops"])
 def road(request) -> str:
     """Both roads of the layer's small ops and attention: the compiled kernels (the default where they
-    build; then they must) and torch's ops (`compiled=False`, `kernels=False`)."""
+    build; then they must) and torch's ops (`compiled=False`)."""
     if request.param == "compiled":
         request.getfixturevalue("compiled")
     return request.param

@@ -82,7 +82,7 @@ def choose(kernels_on: bool, want: str | None = None) -> str:
         if want not in IMPLEMENTATIONS:
             raise ValueError(f"attention={want!r}: choose one of {sorted(IMPLEMENTATIONS)}")
         if want == "compiled" and not kernels_on:
-            raise ValueError("attention='compiled' needs the compiled kernels on (kernels=None or True)")
+            raise ValueError("attention='compiled' needs the compiled kernels on (compiled=None, True or 'ops')")
         return want
     return "compiled" if kernels_on else "torch"
 

@@ -64,7 +64,7 @@ def sweep_beside(model: Llama, hf_model, prompt: Sequence[int], sizes: Sequence[
             sweep = harness.sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0)
             runs.ours[b].append(sweep.timings[b])
             if torch_ops:
-                plain = harness.sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0, kernels=False)
+                plain = harness.sweep_batch_sizes(model, prompt, [b], steps, warmup=r == 0, compiled=False)
                 runs.torch_ops[b].append(plain.timings[b])
                 runs.torch_ops_same[b] = runs.torch_ops_same.get(b, True) and plain.tokens[b] == sweep.tokens[b]
             if hf_model is not None:

@@ -119,10 +119,10 @@ def by_batch(rows: Sequence[DecodeRow]) -> dict[str, dict[int, float]]:
 
 
 def time_nanoserve(model: Llama, prompt: Sequence[int], batch: int, steps: int,
-                   compiled_step: bool | None = None) -> tuple[float, float]:
-    """(prefill s, median decode step s) of `batch` copies of the prompt on the bare step (`compiled_step=False`:
-    the Python forward)."""
-    timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled_step=compiled_step)
+                   compiled: bool | str | None = None) -> tuple[float, float]:
+    """(prefill s, median decode step s) of `batch` copies of the prompt on the bare step (`compiled="ops"`:
+    the Python forward on the kernels)."""
+    timing, _ = time_model_batch(model, [list(prompt)] * batch, [steps] * batch, compiled=compiled)
     return timing.prefill_s, timing.median_step_s
 
 
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         for key, m in models.items():
             jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
             if b == 1 and key.startswith("gguf"):
-                jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, False)
+                jobs[("nanoserve-py", key, 1, ctx)] = lambda p=p, m=m: time_nanoserve(m, p, 1, n, "ops")
             if b == 1:  # the public road, beside the bare step above
                 jobs[("nanoserve-engine", key, 1, ctx)] = lambda p=p, m=m: time_road(m, p, n)
         if b == 1 and not args.no_stages:

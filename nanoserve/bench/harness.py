@@ -149,19 +149,18 @@ def median_decode_step(engine: LLMEngine, prompts: Sequence[Sequence[int]], para
 
 
 def build_batched_decode(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                         block_size: int = 16, kernels: bool | None = None,
-                         compiled_step: bool | None = None) -> StaticBatch:
+                         block_size: int = 16, compiled: bool | str | None = None) -> StaticBatch:
     """The batch `greedy_generate_batch(model, prompts, stop_steps=stop_steps)` runs, its `prefill` and `step` to
     hand to a timer; its `tokens`, after the whole run, are that function's output."""
-    return StaticBatch(model, prompts, list(stop_steps), block_size, kernels, compiled_step)
+    return StaticBatch(model, prompts, list(stop_steps), block_size, compiled)
 
 
 def time_model_batch(model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16, kernels: bool | None = None,
-                     compiled_step: bool | None = None) -> tuple[BatchTiming, list[list[int]]]:
+                     clock: Clock = DEFAULT_CLOCK, block_size: int = 16, compiled: bool | str | None = None,
+                     ) -> tuple[BatchTiming, list[list[int]]]:
     """Time one static batch: the prefill, every decode step, and row i's budget of stop_steps[i] steps. A
     finished row stays in every forward (its slot, its blocks) until the slowest is done: the timing charges it."""
-    batch = build_batched_decode(model, prompts, stop_steps, block_size, kernels, compiled_step)
+    batch = build_batched_decode(model, prompts, stop_steps, block_size, compiled)
     try:
         return time_static_batch(batch.prefill, batch.step, batch.stop_steps, clock), batch.tokens
     finally:
@@ -203,13 +202,13 @@ class Sweep:
 
 def sweep_batch_sizes(model: Llama, prompt: Sequence[int], batch_sizes: Sequence[int] = SWEEP_SIZES,
                       steps: int = 32, warmup: bool = True, clock: Clock = DEFAULT_CLOCK,
-                      kernels: bool | None = None) -> Sweep:
+                      compiled: bool | str | None = None) -> Sweep:
     """`prompt` replicated B times, every row `steps` steps, per B (`warmup`: an untimed short run first)."""
     timings, tokens = {}, {}
     for b in batch_sizes:
         if warmup:
-            time_model_batch(model, [prompt] * b, [2] * b, kernels=kernels)
-        timings[b], tokens[b] = time_model_batch(model, [prompt] * b, [steps] * b, clock, kernels=kernels)
+            time_model_batch(model, [prompt] * b, [2] * b, compiled=compiled)
+        timings[b], tokens[b] = time_model_batch(model, [prompt] * b, [steps] * b, clock, compiled=compiled)
     return Sweep(timings, tokens)
 
 

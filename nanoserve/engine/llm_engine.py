@@ -106,7 +106,7 @@ class LLMEngine:
             num_blocks, cache.block_size, cache.prefix_caching) if len(groups) == 1 else \
             HybridBlockManager(groups, num_blocks, cache.block_size, cache.prefix_caching)
         self.runner = ModelRunner(model, KVStorage(cfg, num_blocks, cache.block_size, model.kv_dtype, groups=groups),
-                                  config.kernels, batch_invariant=config.batch_invariant)
+                                  config.compiled, batch_invariant=config.batch_invariant)
         self.scheduler = Scheduler(self.manager, config.scheduler)
         self.threads: ThreadPolicy | None = None  # "auto": steps run on the cores other programs leave free
         if config.threads == "auto":

@@ -79,25 +79,28 @@ class ModelRunner:
     bits whatever else is in it; a step of one token (one sequence's decode) takes the one-row road unless
     `batch_invariant`.
 
-    `kernels`: the compiled kernels for the layer's small ops and for attention: None where they can
-    run (fp32, built), True insists, False runs torch's ops; the runner holds the answer and passes it down
-    every forward. `attention` picks the attention implementation by name ("reference", "torch", "compiled";
-    `attention.paged`), else the default. `batch_invariant`: a request gets the same bits alone as beside others
-    (its seeded samples too): a step of one token runs as a step of several, unless its products give one row
-    those bits already (`DecoderLM.one_row_same_bits`: the tiles, fp32 on x86 CPUs or bf16 on AVX512_BF16 ones,
-    bf16's panels on other x86 CPUs, or the GGUF block kernels).
-    `compiled_step`: a model on GGUF blocks or on tiles runs its steps as one compiled call where it can
-    (`model.compiled`: the same logits, bit for bit, without the Python between the calls); False never."""
+    `compiled`: the compiled kernels, the one switch: None where they can run (fp32, built), True insists, False
+    runs torch's ops; "ops" runs them op by op under the Python forward (its calls can be counted, its logits
+    compared), never the one-call step. Otherwise a model on GGUF blocks or on tiles runs each step as one compiled
+    call where it can (`model.compiled`: the same logits, bit for bit, without the Python between the calls). The
+    runner holds the answer (`self.compiled`) and passes it down every forward. `attention` picks the attention
+    implementation by name ("reference", "torch", "compiled"; `attention.paged`), else the default.
+    `batch_invariant`: a request gets the same bits alone as beside others (its seeded samples too): a step of one
+    token runs as a step of several, unless its products give one row those bits already
+    (`DecoderLM.one_row_same_bits`: the tiles, fp32 on x86 CPUs or bf16 on AVX512_BF16 ones, bf16's panels on other
+    x86 CPUs, or the GGUF block kernels)."""
 
-    def __init__(self, model: Llama, storage: KVStorage, kernels: bool | None = None, attention: str | None = None,
-                 batch_invariant: bool = False, compiled_step: bool | None = None):
+    def __init__(self, model: Llama, storage: KVStorage, compiled: bool | str | None = None,
+                 attention: str | None = None, batch_invariant: bool = False):
+        if compiled not in (None, True, False, "ops"):
+            raise ValueError(f"compiled={compiled!r}: None, True, False or 'ops'")
         self.model, self.storage = model, storage
         self.batch_invariant = batch_invariant
-        self.kernels = use_kernels(model.dtype, kernels)
+        self.compiled = use_kernels(model.dtype, None if compiled == "ops" else compiled)
         # read once, not each step (it asks every matrix): a runner's weights are not rewritten under it
-        self.one_row_same_bits = model.one_row_same_bits(self.kernels)
-        self.attention = choose(self.kernels, attention)
-        use_step = compiled_step is not False and self.attention == "compiled"  # (BlockStep.of: Llama's, Gemma's)
+        self.one_row_same_bits = model.one_row_same_bits(self.compiled)
+        self.attention = choose(self.compiled, attention)
+        use_step = compiled != "ops" and self.attention == "compiled"  # (BlockStep.of: Llama's, Gemma's)
         self.block_step = BlockStep.of(model) if use_step else None
         self.last_prepare_s = 0.0  # host time laying out the last step's inputs (the engine reports it)
         self.last_sample_s = 0.0  # ... and choosing its tokens (`execute_model`)
@@ -134,13 +137,13 @@ class ModelRunner:
             logits, self.last_argmax = self.block_step(ids, md, self.storage, rows, groups=groups)
             return logits
         backend = PagedAttention(self.storage, md, self.attention, groups)
-        h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.kernels)[0]  # (N, C)
+        h = self.model.hidden_states(ids[None], md.positions[None], backend, compiled=self.compiled)[0]  # (N, C)
         h = h[rows]  # (R, C)
         if len(h) == 0:
             return h.new_zeros(0, self.model.cfg.vocab_size)
         if len(h) == 1 and len(ids) > 1:  # one row of a step of several: the head runs the batch's product
-            return self.model.logits(F.pad(h, (0, 0, 0, 1)), self.kernels)[:1]  # kernel, as in any batch
-        return self.model.logits(h, self.kernels)
+            return self.model.logits(F.pad(h, (0, 0, 0, 1)), self.compiled)[:1]  # kernel, as in any batch
+        return self.model.logits(h, self.compiled)
 
     @torch.inference_mode()
     def execute_model(self, chunks: Sequence[Chunk], copies: Sequence[tuple[int, int]], num_logits: Sequence[int],
@@ -155,13 +158,13 @@ class ModelRunner:
 
     def sample(self, logits: Tensor, batch: SamplingBatch) -> RunnerOutput:
         """`batch` applied to a step's logits (`execute_model`'s second half)."""
-        prompt = [logprobs_of(logits[s:s + len(t)], t, [k] * len(t), self.kernels) for s, t, k in batch.scores]
+        prompt = [logprobs_of(logits[s:s + len(t)], t, [k] * len(t), self.compiled) for s, t, k in batch.scores]
         if not batch.rows:
             return RunnerOutput([], {}, prompt)
         every = batch.rows == list(range(len(logits)))
         rows, best = (logits, self.last_argmax) if every else (logits[batch.rows], None)
         masks = {i: m for i, m in batch.masks.items() if m is not None}
-        tokens = sample(rows, batch.samplers, batch.seen, self.kernels, batch.generated, masks, best)
+        tokens = sample(rows, batch.samplers, batch.seen, self.compiled, batch.generated, masks, best)
         for i, m in batch.masks.items():
             if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
                 tokens[i] = INVALID
@@ -169,7 +172,7 @@ class ModelRunner:
         logprobs: dict[int, Logprobs] = {}
         if wanted:
             asked = rows if len(wanted) == len(rows) else rows[wanted]  # no copy when all ask
-            lps = logprobs_of(asked, [tokens[i] for i in wanted], [batch.logprobs[i] for i in wanted], self.kernels)
+            lps = logprobs_of(asked, [tokens[i] for i in wanted], [batch.logprobs[i] for i in wanted], self.compiled)
             logprobs = dict(zip(wanted, lps))
         return RunnerOutput(tokens, logprobs, prompt)
 
@@ -198,7 +201,7 @@ class ModelRunner:
         out, ids, done = [], [c.token_ids[0] for c in chunks], [False] * len(chunks)
         for s in range(steps):
             logits = self.execute([Chunk([t], c.num_computed + s, c.block_table) for t, c in zip(ids, chunks)])
-            best = self.last_argmax if self.last_argmax is not None else argmax_rows(logits, self.kernels)
+            best = self.last_argmax if self.last_argmax is not None else argmax_rows(logits, self.compiled)
             ids = best.tolist()
             out.append(best)
             done = [d or t in stop for d, t, stop in zip(done, ids, stops)]

@@ -12,15 +12,16 @@ arithmetic in four calls:
     paged_attention  each query row over its request's keys, read where they lie in the pool; a long
                      decode row split into pieces on several cores and merged (split-K)
 
-Each computes a row from that row's numbers only, so a row's result is the same whatever else
-is in the step. Whether they run is the caller's explicit choice: `model.ops` and the forward take
-`compiled=True/False`, the model runner holds it for its steps (`use_kernels` resolves a request for
-them against what this machine has); the two roads agree to fp32 rounding. The same extension holds the
-product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
-`model.compiled`), which steps a model on blocks through all of these in one call, the product of a
-bf16 matrix, on AVX512_BF16's pair products (`bf16_tiles_linear`) or, where torch has no fast one, widened
-to fp32 (`bf16_linear`, or `bf16_panels_linear` on a copy packed at load; all `csrc/matmul_bf16.cpp`), and an
-fp32 matrix's product; the tiled ones sum in one order for any number of rows (`fp32_linear`, `csrc/matmul_fp32.cpp`).
+Each computes a row from that row's numbers only, so a row's result is the same whatever else is in the step.
+Whether they run is the caller's explicit choice, `compiled`, one name everywhere: `model.ops` and the forward
+take `compiled=True/False`, the model runner and the engine hold it for their steps (`use_kernels` resolves a
+request for them against what this machine has); the two roads agree to fp32 rounding. The same extension holds
+the product on GGUF blocks (`csrc/quant.cpp`, `kernels.quant`), `BlockModel` (`csrc/step.cpp`,
+`model.compiled`), which steps a model on blocks through all of these in one call, the product of a bf16 matrix,
+on AVX512_BF16's pair products (`bf16_tiles_linear`) or, where torch has no fast one, widened to fp32
+(`bf16_linear`, or `bf16_panels_linear` on a copy packed at load; all `csrc/matmul_bf16.cpp`), and an fp32
+matrix's product; the tiled ones sum in one order for any number of rows (`fp32_linear`,
+`csrc/matmul_fp32.cpp`).
 
 They are built on first use by torch's own extension builder (a C++ compiler and ninja), once
 per machine, and cached under $NANOSERVE_HOME/kernels. Where that is impossible (no compiler,
@@ -145,7 +146,7 @@ def resolve(want: bool | None) -> bool:
 
 
 def use_kernels(dtype: torch.dtype, want: bool | None = None) -> bool:
-    """Resolve a `kernels=` argument for a model of `dtype`: None means where they can run (fp32, built),
+    """Resolve a `compiled=` argument for a model of `dtype`: None means where they can run (fp32, built),
     True insists (and says why it cannot), False never."""
     if want is False:
         return False

@@ -128,14 +128,12 @@ class PagedSession:
 
 
 def paged_session(model: Llama, max_len: int, block_size: int = 16, prefix_caching: bool = True,
-                  kernels: bool | None = None, attention: str | None = None,
-                  compiled_step: bool | None = None) -> PagedSession:
-    """A session on its own pool sized for `max_len` tokens: the paged twin of `cached_session`. `kernels`,
-    `attention`, `compiled_step`: the ModelRunner's (False: the Python forward, whose calls can be counted)."""
+                  compiled: bool | str | None = None, attention: str | None = None) -> PagedSession:
+    """A session on its own pool sized for `max_len` tokens: the paged twin of `cached_session`. `compiled`,
+    `attention`: the ModelRunner's ("ops": the Python forward on the kernels, whose calls can be counted)."""
     num_blocks = -(-max_len // block_size)
     manager = BlockManager(num_blocks, block_size, prefix_caching)
-    runner = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), kernels, attention,
-                         compiled_step=compiled_step)
+    runner = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), compiled, attention)
     return PagedSession(manager, runner)
 
 

@@ -111,13 +111,13 @@ class StaticBatch:
     forward, and collects nothing. Rows stop on a step budget, not on EOS: output length is
     what Day 29 varies.
 
-    `kernels`: the ModelRunner's choice (None: the compiled kernels where they run, True insists,
-    False: torch's ops), and `compiled_step` its (a model on blocks or tiles stepped by one compiled
-    call where it can; False: the Python forward). Either way a row's tokens do not depend on the rows beside it.
+    `compiled`: the ModelRunner's switch (None: the compiled kernels where they run, a model on blocks or tiles
+    stepped by one compiled call where it can; True insists; False: torch's ops; "ops": the kernels under the
+    Python forward). Either way a row's tokens do not depend on the rows beside it.
     """
 
     def __init__(self, model: Llama, prompts: Sequence[Sequence[int]], stop_steps: Sequence[int],
-                 block_size: int = 16, kernels: bool | None = None, compiled_step: bool | None = None):
+                 block_size: int = 16, compiled: bool | str | None = None):
         if not isinstance(stop_steps, Sequence) or any(
                 isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stop_steps):
             raise ValueError(f"stop_steps must be a list of ints >= 0 (decode steps per row), got {stop_steps!r}")
@@ -129,7 +129,7 @@ class StaticBatch:
         self.prompts = [list(p) for p in prompts]
         self.kv = BatchedPagedKVCache.for_batch(model.cfg, [len(p) for p in prompts], self.n_steps + 1, block_size,
                                                 model.kv_dtype)
-        self.runner = ModelRunner(model, self.kv.storage, kernels, compiled_step=compiled_step)
+        self.runner = ModelRunner(model, self.kv.storage, compiled)
         self.tokens: list[list[int]] = [[] for _ in prompts]
         self.last: list[int] = []  # each row's newest token, collected or not: the next step's input
         self.steps_done = -1  # -1 before the prefill, 0 after it, n after n decode steps
@@ -146,7 +146,7 @@ class StaticBatch:
     @property
     def compiled(self) -> bool:
         """Whether the steps run the compiled kernels."""
-        return self.runner.kernels
+        return self.runner.compiled
 
     def prefill(self) -> Tensor:
         """Every prompt in one step, its k/v into its blocks; logits (B, V) at each prompt's last token."""
@@ -184,7 +184,7 @@ class StaticBatch:
 def greedy_generate_batch(model: Llama, prompts: Sequence[Sequence[int]],
                           max_new_tokens: int | Sequence[int] | None = None,
                           stop_steps: Sequence[int] | None = None, block_size: int = 16,
-                          kernels: bool | None = None) -> list[list[int]]:
+                          compiled: bool | str | None = None) -> list[list[int]]:
     """Greedy tokens for every prompt, in one static batch. Give `max_new_tokens` (one int for all
     rows, or one per row) or `stop_steps` (decode steps per row, max_new_tokens - 1); EOS does not stop.
 
@@ -198,4 +198,4 @@ def greedy_generate_batch(model: Llama, prompts: Sequence[Sequence[int]],
             raise ValueError(f"max_new_tokens must be an int >= 1, or one for each of the {len(prompts)} prompts, "
                              f"got {max_new_tokens!r}")
         stop_steps = [x - 1 for x in n]
-    return StaticBatch(model, prompts, stop_steps, block_size, kernels).run()
+    return StaticBatch(model, prompts, stop_steps, block_size, compiled).run()

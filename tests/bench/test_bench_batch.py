@@ -68,9 +68,9 @@ def test_sweep_times_the_torch_ops_step_beside_the_compiled_one(model, prompt, m
     events = []
     real_sweep = harness.sweep_batch_sizes
 
-    def logged_sweep(model, prompt, sizes, *args, kernels=None, **kwargs):
-        events.append(f"B={sizes[0]}" + (" ops" if kernels is False else ""))
-        return real_sweep(model, prompt, sizes, *args, kernels=kernels, **kwargs)
+    def logged_sweep(model, prompt, sizes, *args, compiled=None, **kwargs):
+        events.append(f"B={sizes[0]}" + (" ops" if compiled is False else ""))
+        return real_sweep(model, prompt, sizes, *args, compiled=compiled, **kwargs)
 
     monkeypatch.setattr(harness, "sweep_batch_sizes", logged_sweep)
     runs = sweep_beside(model, None, prompt, [1, 4], steps=2, rounds=1, torch_ops=True)

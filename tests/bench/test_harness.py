@@ -51,10 +51,10 @@ def test_the_engine_runs_the_blocking_rows_without_waste_or_blocking(model, prom
     assert tokens == greedy_generate_batch(model, prompts, max_new_tokens=list(BLOCKING_LENS))
 
 
-@pytest.mark.parametrize("kernels", [None, False], ids=["default", "torch-ops"])
-def test_sweep_collects_exactly_greedy_generate_batch_tokens(model, prompts, kernels):
+@pytest.mark.parametrize("compiled", [None, False], ids=["default", "torch-ops"])
+def test_sweep_collects_exactly_greedy_generate_batch_tokens(model, prompts, compiled):
     sweep = sweep_batch_sizes(model, prompts[1], batch_sizes=(1, 2, 3), steps=4, warmup=False, clock=TickClock(),
-                              kernels=kernels)
+                              compiled=compiled)
     for b in (1, 2, 3):
         assert sweep.tokens[b] == greedy_generate_batch(model, [prompts[1]] * b, stop_steps=[4] * b)
         t = sweep.timings[b]

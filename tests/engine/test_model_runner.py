@@ -16,23 +16,25 @@ from nanoserve.model import Llama
 from nanoserve.model import matmul as mm
 from nanoserve.model.matmul import forward_rows
 
-KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> ModelRunner's kernels=
+KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> ModelRunner's compiled=
 
 
 def ids_of(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def pool(model, num_blocks: int, block_size: int, kernels=None, **kw) -> tuple[BlockManager, ModelRunner]:
+def pool(model, num_blocks: int, block_size: int, compiled=None, **kw) -> tuple[BlockManager, ModelRunner]:
     """A paged pool as the engine splits it: the bookkeeping (a block manager) and a runner owning the tensors."""
     storage = KVStorage(model.cfg, num_blocks, block_size)
-    return BlockManager(num_blocks, block_size), ModelRunner(model, storage, kernels, **kw)
+    return BlockManager(num_blocks, block_size), ModelRunner(model, storage, compiled, **kw)
 
 
 def test_runner_roads(tiny_model, road):
     manager, runner = pool(tiny_model, 4, 4, KERNELS[road])
-    assert (runner.kernels, runner.attention) == ((True, "compiled") if road == "compiled" else (False, "torch"))
+    assert (runner.compiled, runner.attention) == ((True, "compiled") if road == "compiled" else (False, "torch"))
     assert ModelRunner(tiny_model, runner.storage, KERNELS[road], attention="reference").attention == "reference"
+    with pytest.raises(ValueError, match="compiled='fast': None, True, False or 'ops'"):
+        ModelRunner(tiny_model, runner.storage, "fast")
 
 
 def test_a_mixed_step_gives_each_request_its_own_sequences_logits(tiny_model, road):
@@ -113,10 +115,10 @@ def test_execute_model_samples_in_the_runner_what_the_sampler_would_choose_from_
     chunks, _ = step(plain, manager)
     logits = plain.execute(chunks, num_logits=[5, 1])
     want = batch(prompt)
-    tokens = sample(logits[want.rows], want.samplers, want.seen, plain.kernels, want.generated)
+    tokens = sample(logits[want.rows], want.samplers, want.seen, plain.compiled, want.generated)
     assert got.tokens == [*tokens[:2], INVALID]
-    assert got.logprobs == dict(enumerate(logprobs_of(logits[[4, 5]], tokens[:2], [3, 0], plain.kernels)))
-    assert got.prompt_logprobs == [logprobs_of(logits[:4], prompt[1:5], [2] * 4, plain.kernels)]
+    assert got.logprobs == dict(enumerate(logprobs_of(logits[[4, 5]], tokens[:2], [3, 0], plain.compiled)))
+    assert got.prompt_logprobs == [logprobs_of(logits[:4], prompt[1:5], [2] * 4, plain.compiled)]
     assert runner.last_sample_s > 0
 
 
@@ -150,7 +152,7 @@ def test_padding_rows_stay_finite_and_write_nowhere(tiny_model, road):
     assert ids.numel() == 12 and md.num_tokens == 9  # three padding rows
     backend = PagedAttention(runner.storage, md, runner.attention)
     with torch.inference_mode():
-        h = tiny_model.hidden_states(ids[None], md.positions[None], backend, compiled=runner.kernels)[0]
+        h = tiny_model.hidden_states(ids[None], md.positions[None], backend, compiled=runner.compiled)[0]
     assert torch.isfinite(h).all()
     written = (runner.storage.k.abs().sum((0, 3, 4)) != 0).view(-1)  # slots written, any layer
     assert written.nonzero().view(-1).tolist() == sorted(md.slot_mapping.tolist())
@@ -168,9 +170,9 @@ class Composition:
     `context`) and shared by fork, so its K/V are the same bits in every composition; the others'
     contexts are computed in their own steps first."""
 
-    def __init__(self, model, kernels, block_size, target_ids, target_ctx):
+    def __init__(self, model, compiled, block_size, target_ids, target_ctx):
         self.model, self.bs = model, block_size
-        self.manager, self.runner = pool(model, 200, block_size, kernels)
+        self.manager, self.runner = pool(model, 200, block_size, compiled)
         self.target_ids, self.target_ctx = target_ids, target_ctx
         self.context = self.manager.new_table()
         if target_ctx:

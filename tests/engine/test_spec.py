@@ -126,7 +126,7 @@ class ScriptedRunner:
     logits, where the tokens are read back from its own slots (written by each step, as K/V would be). A
     rejected draft left in a block the engine reuses would be read back, and change the tokens."""
 
-    kernels, last_prepare_s, last_sample_s, last_argmax = False, 0.0, 0.0, None
+    compiled, last_prepare_s, last_sample_s, last_argmax = False, 0.0, 0.0, None
 
     def __init__(self, rule, block_size):
         self.rule, self.bs, self.slots = rule, block_size, {}

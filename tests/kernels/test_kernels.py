@@ -329,13 +329,13 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21,
 
 
 def step_logits(model, prompts, steps, kernels_on):
-    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size=4, kernels=kernels_on)
+    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size=4, compiled=kernels_on)
     return torch.stack([sb.prefill()] + [sb.step() for _ in range(steps)], 1)  # (B, steps + 1, V)
 
 
 def test_compiled_steps_agree_with_torch_ops_steps(compiled, tiny_model):
     """Same weights, same products: the two roads differ only by the small ops' and attention's fp32 rounding."""
-    sb = StaticBatch(tiny_model, PROMPTS, [6] * len(PROMPTS), block_size=4, kernels=True)
+    sb = StaticBatch(tiny_model, PROMPTS, [6] * len(PROMPTS), block_size=4, compiled=True)
     assert sb.compiled and sb.runner.attention == "compiled"
     fast, ref = step_logits(tiny_model, PROMPTS, 6, True), step_logits(tiny_model, PROMPTS, 6, False)
     torch.testing.assert_close(fast, ref, atol=2e-5, rtol=1e-5)
@@ -387,9 +387,9 @@ def test_without_the_kernels_the_engine_runs_on_torch_ops(tiny_model, monkeypatc
         assert not kernels.available() and kernels.describe() == "torch ops (OSError: no compiler found)"
         out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=4)
     monkeypatch.setattr(kernels, "_state", {"reason": "x"})  # still unavailable, compare with the torch path
-    assert out == greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=4, kernels=False)
+    assert out == greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=4, compiled=False)
     with pytest.raises(RuntimeError, match="compiled kernels are unavailable: x"):
-        StaticBatch(tiny_model, PROMPTS, [1] * len(PROMPTS), kernels=True)
+        StaticBatch(tiny_model, PROMPTS, [1] * len(PROMPTS), compiled=True)
     storage = KVStorage(tiny_model.cfg, 4, 4)
     assert ModelRunner(tiny_model, storage).attention == "torch"
     with pytest.raises(ValueError, match="attention='compiled' needs the compiled kernels on"):

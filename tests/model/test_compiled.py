@@ -51,7 +51,7 @@ def runners(model, num_blocks: int, block_size: int):
     step, and the Python forward. A table from the manager names the same slots in both."""
     manager = BlockManager(num_blocks, block_size, prefix_caching=False)
     fast = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype))
-    slow = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), compiled_step=False)
+    slow = ModelRunner(model, KVStorage(model.cfg, num_blocks, block_size, model.kv_dtype), compiled="ops")
     assert fast.block_step is not None and slow.block_step is None
     return manager, fast, slow
 
@@ -116,17 +116,25 @@ def test_the_compiled_step_reads_any_rows_and_none(tiny_blocks):
 
 
 def test_a_lone_request_in_the_engine_takes_the_compiled_step(tiny_blocks, monkeypatch):
-    """One request through the engine (generate's road): its decode steps are the one compiled call."""
+    """One request through the engine (generate's road): its decode steps are the one compiled call; told
+    `compiled="ops"`, the engine runs the Python forward on the kernels instead, to the same tokens."""
     engine = LLMEngine(tiny_blocks, num_blocks=16, block_size=4)
     calls = []
     real = engine.runner.block_step.__call__
     monkeypatch.setattr(type(engine.runner.block_step), "__call__",
                         lambda self, *a, **kw: calls.append(1) or real(*a, **kw))
-    engine.add_request([5, 6, 7], nanoserve.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    params = nanoserve.SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rid = engine.add_request([5, 6, 7], params)
     while engine.has_unfinished_requests():
         engine.step()
     bf16_pool = engine.runner.storage.k.dtype == torch.bfloat16
     assert len(calls) == (5 if bf16_pool else 6)  # a whole prompt on a bf16 pool: its bf16 prompt kernel
+    ops = LLMEngine(tiny_blocks, num_blocks=16, block_size=4, compiled="ops")
+    assert ops.runner.compiled and ops.runner.block_step is None
+    other = ops.add_request([5, 6, 7], params)
+    while ops.has_unfinished_requests():
+        ops.step()
+    assert ops.sequence(other).output_token_ids == engine.sequence(rid).output_token_ids
 
 
 def test_a_row_has_the_same_bits_alone_and_in_a_batch(tiny_blocks):
@@ -187,7 +195,7 @@ def test_whole_prompts_on_a_bf16_pool_and_models_off_blocks_take_the_python_forw
     _, md = prepare([Chunk([1, 2, 3], 2, [0, 1]), Chunk([4], 5, [1, 2])], 4)
     assert applies(md) and applies(md, bf16_pool=True)
     assert BlockStep.of(tiny_model) is None  # fp32 matrices without tiles (never packed)
-    runner = ModelRunner(tiny_blocks, KVStorage(tiny_blocks.cfg, 8, 4), kernels=False)
+    runner = ModelRunner(tiny_blocks, KVStorage(tiny_blocks.cfg, 8, 4), compiled=False)
     assert runner.block_step is None  # torch's ops asked for: the Python forward on them
 
 
@@ -391,7 +399,7 @@ def test_gemma_on_int8_blocks_steps_compiled_with_the_python_forwards_logits(gem
     assert len(groups) > 1 and any(g.window for g in groups)
     manager = HybridBlockManager(groups, 400, 16, prefix_caching=False)
     fast = ModelRunner(model, KVStorage(model.cfg, 400, 16, groups=groups))
-    slow = ModelRunner(model, KVStorage(model.cfg, 400, 16, groups=groups), compiled_step=False)
+    slow = ModelRunner(model, KVStorage(model.cfg, 400, 16, groups=groups), compiled="ops")
     assert fast.block_step is not None and fast.block_step.gemma and slow.block_step is None
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 20000, (700,), generator=g).tolist(), gemma_tok.encode("The capital of France is"),

@@ -15,15 +15,15 @@ from nanoserve.sampling import SamplingParams
 from nanoserve.stages import NoCacheSession, PagedSession, paged_session, run_session
 from nanoserve.stages import greedy_session_ids as session_ids
 
-KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> kernels=
+KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> compiled=
 PROMPT = list(range(3, 23))
 
 
-def pool(model, num_blocks: int, block_size: int, prefix_caching: bool = True, kernels=None,
+def pool(model, num_blocks: int, block_size: int, prefix_caching: bool = True, compiled=None,
          attention=None) -> tuple[BlockManager, ModelRunner]:
     """A shared paged pool: its bookkeeping and a runner owning its tensors; sessions on it share both."""
     storage = KVStorage(model.cfg, num_blocks, block_size)
-    return BlockManager(num_blocks, block_size, prefix_caching), ModelRunner(model, storage, kernels, attention)
+    return BlockManager(num_blocks, block_size, prefix_caching), ModelRunner(model, storage, compiled, attention)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_the_no_cache_stage_gives_the_engines_tokens(tiny_model, no_cache_tokens
 
 @pytest.mark.parametrize("bs", [1, 3, 16, 256])
 def test_tiny_greedy_matches_no_cache(tiny_model, no_cache_tokens, road, bs):
-    assert session_ids(tiny_model, paged_session(tiny_model, 64, bs, kernels=KERNELS[road]), PROMPT, 12) == \
+    assert session_ids(tiny_model, paged_session(tiny_model, 64, bs, compiled=KERNELS[road]), PROMPT, 12) == \
         no_cache_tokens
 
 
@@ -53,7 +53,7 @@ def test_every_attention_implementation_gives_the_no_cache_tokens(request, tiny_
 def test_the_paged_prefill_logits_are_the_no_cache_ones(tiny_model, road):
     with torch.inference_mode():
         want = tiny_model(torch.tensor([PROMPT]), last_only=True)[0]
-    got = paged_session(tiny_model, 32, 4, kernels=KERNELS[road]).prefill(PROMPT)
+    got = paged_session(tiny_model, 32, 4, compiled=KERNELS[road]).prefill(PROMPT)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
 
 
@@ -94,7 +94,7 @@ def test_tiny_prefix_hit_kv_is_what_computing_gives(tiny_model):
 
 def test_tiny_batched_decode_rows_match_solo(tiny_model, road):
     """One runner step of two sessions' decode tokens in a shared pool: each row's logits equal its solo run."""
-    manager, runner = pool(tiny_model, 12, 4, kernels=KERNELS[road])
+    manager, runner = pool(tiny_model, 12, 4, compiled=KERNELS[road])
     prompts = [list(range(5, 12)), list(range(40, 53))]
     sessions = [PagedSession(manager, runner) for _ in prompts]
     nxt = [int(s.prefill(p).argmax()) for s, p in zip(sessions, prompts)]
@@ -104,7 +104,7 @@ def test_tiny_batched_decode_rows_match_solo(tiny_model, road):
         chunks.append(Chunk([tok], s.table.num_tokens - 1, s.table.blocks))
     batched = runner.execute(chunks)  # (2, V)
     for row, p in enumerate(prompts):
-        solo = paged_session(tiny_model, 32, 4, kernels=KERNELS[road])
+        solo = paged_session(tiny_model, 32, 4, compiled=KERNELS[road])
         solo.prefill(p)
         torch.testing.assert_close(batched[row], solo.decode(nxt[row]), rtol=0, atol=1e-5)
 

@@ -45,16 +45,16 @@ def test_every_attention_implementation_gives_the_no_cache_tokens(request, model
 
 @pytest.mark.parametrize("block_size", [1, 16, 256])
 def test_paged_greedy_equals_no_cache_and_contiguous(model, chat_prompt, no_cache_ids, road, block_size):
-    kernels = None if road == "compiled" else False
-    assert session_ids(model, paged_session(model, 128, block_size, kernels=kernels), chat_prompt, MAX_NEW) == \
+    compiled = None if road == "compiled" else False
+    assert session_ids(model, paged_session(model, 128, block_size, compiled=compiled), chat_prompt, MAX_NEW) == \
         no_cache_ids
     if block_size == 16:
         assert session_ids(model, cached_session(model, 128), chat_prompt, MAX_NEW) == no_cache_ids
 
 
 def test_the_engine_prefill_is_near_the_fp64_reference(model, chat_prompt, fp64_logits, fp64_tol, road):
-    kernels = None if road == "compiled" else False
-    logits = paged_session(model, 64, 16, kernels=kernels).prefill(chat_prompt).double()
+    compiled = None if road == "compiled" else False
+    logits = paged_session(model, 64, 16, compiled=compiled).prefill(chat_prompt).double()
     assert (logits - fp64_logits(chat_prompt)[-1]).abs().max().item() < fp64_tol[0]
 
 

@@ -13,19 +13,19 @@ from nanoserve.stages import BatchedPagedKVCache, NoCacheSession, StaticBatch, g
 from nanoserve.stages import greedy_session_ids as session_ids
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15], [16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28], [29, 30]]
-KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> kernels=
+KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> compiled=
 
 
-def solo_logits(model, prompt, steps, kernels=None):
+def solo_logits(model, prompt, steps, compiled=None):
     """Logits (steps + 1, V) of a one-prompt static batch: the prefill's, then each step's."""
-    sb = StaticBatch(model, [prompt], [steps], kernels=kernels)
+    sb = StaticBatch(model, [prompt], [steps], compiled=compiled)
     out = [sb.prefill()] + [sb.step() for _ in range(steps)]
     return torch.cat(out)
 
 
-def batch_logits(model, prompts, steps, block_size=16, kernels=None):
+def batch_logits(model, prompts, steps, block_size=16, compiled=None):
     """Logits (B, steps + 1, V) of one static batch."""
-    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size, kernels)
+    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size, compiled)
     out = [sb.prefill()] + [sb.step() for _ in range(steps)]
     return torch.stack(out, 1)
 
@@ -72,10 +72,10 @@ def test_the_batched_cache_refuses_misuse(tiny_cfg):
 @pytest.mark.parametrize("block_size", [16, 4, 1])  # below KEY_MULTIPLE, the gathered width is rounded up
 def test_rows_equal_their_solo_runs_bit_for_bit_in_any_batch_of_two_or_more(tiny_model, block_size, road):
     steps = 6
-    kernels = KERNELS[road]
-    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps, block_size, kernels)[0] for p in PROMPTS]
+    compiled = KERNELS[road]
+    in_pair = [batch_logits(tiny_model, [p, PROMPTS[0]], steps, block_size, compiled)[0] for p in PROMPTS]
     for B in range(2, len(PROMPTS) + 1):
-        logits = batch_logits(tiny_model, PROMPTS[:B], steps, block_size, kernels)
+        logits = batch_logits(tiny_model, PROMPTS[:B], steps, block_size, compiled)
         for i in range(B):
             assert torch.equal(logits[i], in_pair[i]), (B, i)
 
@@ -84,10 +84,10 @@ def test_a_solo_run_agrees_with_its_row_to_rounding(tiny_model, road):
     """A batch of one prefills a prompt of two or more tokens with the batch's kernels: the same bits as its
     row. Its decode steps are steps of one token (the one-row road): the same to fp32 rounding, and the
     same tokens."""
-    kernels = KERNELS[road]
-    logits = batch_logits(tiny_model, PROMPTS, 6, kernels=kernels)
+    compiled = KERNELS[road]
+    logits = batch_logits(tiny_model, PROMPTS, 6, compiled=compiled)
     for i, p in enumerate(PROMPTS):
-        solo = solo_logits(tiny_model, p, 6, kernels)
+        solo = solo_logits(tiny_model, p, 6, compiled)
         if len(p) > 1:
             assert torch.equal(solo[0], logits[i, 0]), i
         torch.testing.assert_close(solo, logits[i], atol=1e-4, rtol=0)
@@ -95,12 +95,12 @@ def test_a_solo_run_agrees_with_its_row_to_rounding(tiny_model, road):
 
 
 def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_paths(tiny_model, road):
-    kernels = KERNELS[road]
+    compiled = KERNELS[road]
     lens = [4, 1, 7, 2, 5]
-    out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=lens, kernels=kernels)
+    out = greedy_generate_batch(tiny_model, PROMPTS, max_new_tokens=lens, compiled=compiled)
     assert [len(o) for o in out] == lens
     for p, n, o in zip(PROMPTS, lens, out):
-        assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n, kernels=kernels)[0]
+        assert o == greedy_generate_batch(tiny_model, [p], max_new_tokens=n, compiled=compiled)[0]
         assert o == greedy_ids(tiny_model, p, n)  # the engine's road: generate
         assert o == session_ids(tiny_model, NoCacheSession(tiny_model), p, n)  # the Day 08 loop, no cache at all
 
@@ -109,15 +109,15 @@ def test_greedy_generate_batch_equals_each_solo_run_and_the_single_sequence_path
 @given(st.lists(st.lists(st.integers(3, 255), min_size=1, max_size=24), min_size=1, max_size=6),
        st.integers(1, 6))
 def test_property_every_row_equals_its_solo_run(tiny_model, road, prompts, new_tokens):
-    kernels = KERNELS[road]
-    out = greedy_generate_batch(tiny_model, prompts, max_new_tokens=new_tokens, kernels=kernels)
+    compiled = KERNELS[road]
+    out = greedy_generate_batch(tiny_model, prompts, max_new_tokens=new_tokens, compiled=compiled)
     for p, o in zip(prompts, out):
-        solo = greedy_generate_batch(tiny_model, [p], new_tokens, kernels=kernels)[0]
+        solo = greedy_generate_batch(tiny_model, [p], new_tokens, compiled=compiled)[0]
         assert torch.equal(torch.tensor(o), torch.tensor(solo))
 
 
 def test_the_batch_runs_on_the_road_it_was_given(tiny_model, road):
-    sb = StaticBatch(tiny_model, PROMPTS[:2], [1, 1], kernels=KERNELS[road])
+    sb = StaticBatch(tiny_model, PROMPTS[:2], [1, 1], compiled=KERNELS[road])
     assert sb.compiled == (road == "compiled")
     assert sb.runner.attention == ("compiled" if road == "compiled" else "torch")
 

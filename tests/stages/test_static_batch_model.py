@@ -21,7 +21,7 @@ TEXTS = [
 ]
 NEW = 12
 
-KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> kernels=
+KERNELS = {"compiled": None, "torch-ops": False}  # the `road` fixture's name -> compiled=
 
 
 @pytest.fixture(scope="module")
@@ -43,20 +43,20 @@ def solo(model, prompts):
     return out
 
 
-def batch_logits(model, prompts, steps, kernels, block_size=16):
-    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size=block_size, kernels=kernels)
+def batch_logits(model, prompts, steps, compiled, block_size=16):
+    sb = StaticBatch(model, prompts, [steps] * len(prompts), block_size=block_size, compiled=compiled)
     return torch.stack([sb.prefill()] + [sb.step() for _ in range(steps)], 1), sb  # (B, steps + 1, V)
 
 
 def test_the_ragged_prefill_gives_each_row_its_own_prompts_logits(model, prompts, fp64_logits, fp64_tol, road):
     """One step of every prompt laid end to end: each row's last-token logits are its prompt's, near fp64,
     and (a prompt of two or more tokens) the same bits as that prompt prefilled alone."""
-    sb = StaticBatch(model, prompts, [1] * len(prompts), kernels=KERNELS[road])
+    sb = StaticBatch(model, prompts, [1] * len(prompts), compiled=KERNELS[road])
     logits = sb.prefill()  # (B, V)
     for i, p in enumerate(prompts):
         assert (logits[i].double() - fp64_logits(p)[-1]).abs().max().item() < fp64_tol[0], i
         if len(p) > 1:
-            assert torch.equal(logits[i], StaticBatch(model, [p], [1], kernels=KERNELS[road]).prefill()[0]), i
+            assert torch.equal(logits[i], StaticBatch(model, [p], [1], compiled=KERNELS[road]).prefill()[0]), i
 
 
 def test_solo_runs_have_no_near_tie(solo):
@@ -112,5 +112,5 @@ def test_decode_logits_stay_near_the_fp64_reference(model, prompts, fp64_logits,
 
 def test_torch_ops_road_gives_every_solo_token(model, prompts, solo):
     """The compiled road is the default; the torch-ops road (no compiler, NANOSERVE_KERNELS=0) gives the same tokens."""
-    out = greedy_generate_batch(model, prompts, max_new_tokens=NEW, kernels=False)
+    out = greedy_generate_batch(model, prompts, max_new_tokens=NEW, compiled=False)
     assert out == [tokens for tokens, _ in solo]
