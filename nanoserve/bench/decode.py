@@ -2,7 +2,8 @@
 each of `--contexts` and each of `--batch-sizes` at the first, after a prompt of prose, the roads interleaved round
 by round. The roads: `nanoserve` (the compiled step, any batch), `nanoserve-py` (the blocks on the Python forward),
 `nanoserve-engine` (`generate`'s: one request in an LLMEngine), `nanoserve-contiguous` and `nanoserve-nocache` (the
-course's stages, Days 13 and 08), `transformers` and `llama.cpp`. Per (road, weights, batch, context): the median
+course's stages, Days 13 and 08), `transformers` and `llama.cpp` (batch 1, and each batch size as its own batched
+example runs it: one KV cache, a sequence id per copy). Per (road, weights, batch, context): the median
 decode step, tok/s, prefill tok/s, weight GB/s against the read bandwidth, and ratios to nanoserve's fp32 step, to
 transformers and to llama.cpp, each the median over rounds of that round's ratio."""
 
@@ -142,17 +143,18 @@ def time_transformers(hf_model, prompt: Sequence[int], steps: int) -> tuple[floa
 
 
 def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
-                     ) -> tuple[Callable[[Sequence[int], int], tuple[float, float]] | None, str]:
-    """(prompt, steps) -> llama.cpp's (prefill s, median batch-1 decode step s) on the GGUF, each in a child
-    process (a crash costs a row, not the run), tried once on `probe`; and the CSV's note (None and why where it
-    cannot run)."""
+                     ) -> tuple[Callable[..., tuple[float, float]] | None, str]:
+    """(prompt, steps, batch=1) -> llama.cpp's (prefill s, median decode step s) on the GGUF for `batch` copies of
+    the prompt, each in a child process (a crash costs a row, not the run), tried once on `probe`; and the CSV's note
+    (None and why where it cannot run)."""
     try:
         import llama_cpp
     except ImportError:
         return None, "llama-cpp-python not installed (pip install llama-cpp-python): llama.cpp rows skipped"
 
-    def run(prompt: Sequence[int], steps: int) -> tuple[float, float]:
-        job = json.dumps({"path": str(gguf_path), "threads": threads, "prompt": list(prompt), "steps": steps})
+    def run(prompt: Sequence[int], steps: int, batch: int = 1) -> tuple[float, float]:
+        job = json.dumps({"path": str(gguf_path), "threads": threads, "prompt": list(prompt), "steps": steps,
+                          "batch": batch})
         r = subprocess.run([sys.executable, "-c", "from nanoserve.bench.decode import _llama_cpp_child as f; f()"],
                            input=job, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
@@ -170,11 +172,13 @@ def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
 
 def _llama_cpp_child() -> None:
     """In the child: the prompt, then `steps` greedy steps of one token; prints the prefill's and the median
-    step's seconds."""
+    step's seconds. A batch of several copies takes `_llama_cpp_batch`."""
     import llama_cpp
     import numpy as np
 
     job = json.loads(sys.stdin.read())
+    if job.get("batch", 1) > 1:
+        return _llama_cpp_batch(job)
     prompt = job["prompt"]
     llm = llama_cpp.Llama(model_path=job["path"], n_ctx=len(prompt) + job["steps"] + 16, n_threads=job["threads"],
                           n_threads_batch=job["threads"], n_batch=512, verbose=False)
@@ -189,6 +193,51 @@ def _llama_cpp_child() -> None:
             t = time.perf_counter()
             llm.eval([nxt])
             nxt = greedy()
+            step_s.append(time.perf_counter() - t)
+    print(prefill_s, statistics.median(step_s))
+
+
+def _llama_cpp_batch(job: dict) -> None:
+    """`batch` copies of the prompt as llama.cpp's own batched example runs them (its C API: one sequence id per
+    copy in one KV cache, every copy's prompt in `llama_decode` calls of up to 2,048 tokens), then `steps` greedy
+    steps of one token per copy, each one `llama_decode` and the rows' argmax; prints the prefill's and the median
+    step's seconds."""
+    import llama_cpp as L
+    import numpy as np
+
+    prompt, B, steps, threads = job["prompt"], job["batch"], job["steps"], job["threads"]
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(job["path"].encode(), L.llama_model_default_params())
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_seq_max = B * (len(prompt) + steps + 16), 2048, B
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = L.llama_init_from_model(model, cp)
+    V = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(cp.n_batch, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """(token, position, copy, wants logits) entries through llama_decode; the argmax of each wanted row."""
+        best = []
+        for s in range(0, len(entries), cp.n_batch):
+            part = entries[s:s + cp.n_batch]
+            batch.n_tokens = len(part)
+            for i, (t, pos, seq, out) in enumerate(part):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos, 1, out
+                batch.seq_id[i][0] = seq
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            rows = sum(out for *_, out in part)  # this call's logits: one row per wanted token, in order
+            best += np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, V)).argmax(1).tolist()
+        return best
+
+    for _ in range(2):  # the first pass is a warm-up
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        t = time.perf_counter()
+        nxt = decode([(tok, p, q, p == len(prompt) - 1) for q in range(B) for p, tok in enumerate(prompt)])
+        prefill_s, step_s = time.perf_counter() - t, []
+        for i in range(steps):
+            t = time.perf_counter()
+            nxt = decode([(nxt[q], len(prompt) + i, q, True) for q in range(B)])
             step_s.append(time.perf_counter() - t)
     print(prefill_s, statistics.median(step_s))
 
@@ -234,7 +283,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     weight_bytes[("llama.cpp", "gguf")] = next(m.weight_bytes() for key, m in models.items() if key.startswith("gguf"))
     prompts = {ctx: prompt_of(tok, ctx) for ctx in args.contexts}
     jobs: dict[Key, Callable[[], tuple[float, float]]] = {}
-    for b, ctx in [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]:
+    shapes = [(1, c) for c in args.contexts] + [(b, args.contexts[0]) for b in args.batch_sizes]  # (batch, context)
+    for b, ctx in shapes:
         p = prompts[ctx]
         for key, m in models.items():
             jobs[("nanoserve", key, b, ctx)] = lambda p=p, b=b, m=m: time_nanoserve(m, p, b, n)
@@ -253,8 +303,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
             jobs[("transformers", "fp32", 1, ctx)] = lambda p=prompts[ctx]: time_transformers(hf, p, n)
     runner, llama_note = (None, "not asked for (--no-llama-cpp)") if args.no_llama_cpp else llama_cpp_runner(
         gguf_of(folder), threads, prompt_of(tok, 8))
-    for ctx in args.contexts if runner else []:
-        jobs[("llama.cpp", "gguf", 1, ctx)] = lambda p=prompts[ctx]: runner(p, n)
+    for b, ctx in shapes if runner else []:
+        jobs[("llama.cpp", "gguf", b, ctx)] = lambda p=prompts[ctx], b=b: runner(p, n, b)
     print(f"llama.cpp: {llama_note}", flush=True)
     with torch.inference_mode():
         bandwidth, _ = measure_bandwidth(2**28)
