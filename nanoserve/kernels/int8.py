@@ -30,10 +30,10 @@ On the x86 roads a weight is best read from a packed copy (`pack`): the same byt
 register's lanes are already one (row, block) each, which spares every block its permutes and horizontal adds.
 `BlockWeight.int8_packed` keeps one beside the blocks; the bits are the same either way.
 
-From 16 rows of x (a prompt, a large batch) the AVX512-VNNI road unpacks each group of four weight rows once into a
-tile, whatever its format (Q4_1, Q8_0 and Q5_0 from their packed copies, Q4_K and Q6_K from their blocks), and one
-micro-kernel multiplies every four rows of x by it: a new format adds an unpacker, not a product. Same integers,
-same fp32 steps, the same bits.
+From a few dozen rows of x (`tiled_rows`: a prompt, a large batch) the AVX512-VNNI road unpacks each group of four
+weight rows once into a tile, whatever its format (Q4_1, Q8_0 and Q5_0 from their packed copies, Q4_K and Q6_K from
+their blocks), and one micro-kernel multiplies every four rows of x by it: a new format adds an unpacker, not a
+product. Same integers, same fp32 steps, the same bits.
 """
 
 from __future__ import annotations
@@ -257,6 +257,13 @@ def int8_road() -> str:
     """The road `block_linear_int8` takes here: "avx512-vnni", "avx-vnni", "avx2", "scalar", or "torch"
     where the kernels are not in use."""
     return load_kernels().int8_road() if available() else "torch"  # type: ignore[union-attr]
+
+
+def tiled_rows() -> tuple[int, int]:
+    """From how many rows of x the AVX512-VNNI road unpacks each group of weights once into a tile, for Q4_1, Q8_0
+    and Q5_0, and for Q4_K and Q6_K: below them each row of x meets the packed quads (or `krows_few`). Both roads
+    give the same bits; the thresholds are where the tiles' unpacking pays for itself."""
+    return tuple(load_kernels().int8_tiled_rows())  # type: ignore[union-attr,return-value]
 
 
 def int8_roads() -> list[str]:

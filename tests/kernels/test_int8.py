@@ -336,22 +336,25 @@ def test_grouped_formats_on_random_bytes_and_in_any_batch(ext, fmt):
 @pytest.mark.parametrize("fmt", [*FORMATS, *GROUPED])
 @pytest.mark.parametrize("shape", [(5, 256), (17, 512), (33, 576), (21, 1536), (40, 2048)])
 def test_many_rows_of_x_are_the_reference_bit_for_bit(ext, fmt, shape):
-    """From 16 rows of x the AVX512-VNNI road unpacks each group of four weight rows into a tile once (each format an
-    unpacker into the one layout) and multiplies every tile of x rows by it: the reference's bits for 16, 17, 21 and
-    35 rows (a block of x that holds inf among them), and each row's bits alone (one row takes another road)."""
+    """From `int8.tiled_rows()` rows of x the AVX512-VNNI road unpacks each group of four weight rows into a tile once
+    (each format an unpacker into the one layout) and multiplies every tile of x rows by it: the reference's bits on
+    both sides of each threshold (a block of x that holds inf among them), and each row's bits alone (one row takes
+    another road)."""
     n, k = shape
     if k % quant.block_weights(fmt):
         k = -(-k // 256) * 256  # a K-quant's rows are whole super-blocks
     blocks, _ = blocks_for(n, k, fmt, seed=n * k + 1)
-    x = activations(35, k, seed=k + 2)
+    tiles, kquant_tiles = int8.tiled_rows()
+    counts = sorted({16, 17, kquant_tiles - 1, kquant_tiles, kquant_tiles + 1, tiles - 1, tiles, tiles + 5})
+    x = activations(counts[-1], k, seed=k + 2)
     x[7, 40:50] = float("inf")
     packed = int8.pack(blocks, fmt)
     with torch.inference_mode():
         want = int8.block_linear_int8_reference(x, blocks, fmt)
-        for rows in (16, 17, 21, 35):
+        for rows in counts:
             got = int8.block_linear_int8(x[:rows], blocks, fmt, packed=packed)
             torch.testing.assert_close(got, want[:rows], rtol=0, atol=0, equal_nan=True, msg=f"{rows} rows")
-        alone = torch.cat([int8.block_linear_int8(x[r:r + 1], blocks, fmt, packed=packed) for r in range(35)])
+        alone = torch.cat([int8.block_linear_int8(x[r:r + 1], blocks, fmt, packed=packed) for r in range(len(x))])
         torch.testing.assert_close(alone, want, rtol=0, atol=0, equal_nan=True)
     assert want[7].isnan().all() and not want[6].isnan().any()
 

@@ -30,8 +30,8 @@
 // each, and the integer sums need no permute or horizontal add to reach their lanes. Same integers, same fp32
 // steps: the same bits again, from fewer instructions.
 //
-// From TILED_ROWS rows of x (a prompt, a large batch) the AVX512-VNNI road unpacks each group of four weight rows
-// once into a tile (rows_tiled, krows_tiled): every format has an unpacker into the one layout (Q4_1 and Q8_0 from
+// From TILED_ROWS rows of x (a prompt, a large batch; the K-quants from KQUANT_TILED_ROWS) the AVX512-VNNI road
+// unpacks each group of four weight rows once into a tile (rows_tiled, krows_tiled): every format has an unpacker into the one layout (Q4_1 and Q8_0 from
 // their packed quads, Q5_0 as Q8_0, Q4_K and Q6_K from their blocks), and one micro-kernel (tstep) multiplies every
 // tile of x rows by it, its fp32 steps those above (group_c's). The bits do not change.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
@@ -65,7 +65,10 @@ constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lan
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
 constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's task: groups of four rows
-constexpr int64_t TILED_ROWS = 16;  // rows of x from which the AVX512-VNNI road unpacks each group once (rows_tiled)
+// Rows of x from which the AVX512-VNNI road unpacks each group once (rows_tiled; below it the packed quads' pstep),
+// and the K-quants each super-block (krows_tiled; below it krows_few): where the tiles' unpacking pays for itself.
+constexpr int64_t TILED_ROWS = 48;
+constexpr int64_t KQUANT_TILED_ROWS = 32;
 
 constexpr int64_t K8_BYTES = 40;    // fp32 a, fp32 b, 32 signed bytes: a K-quant group as the 256-bit roads pack it
 
@@ -715,8 +718,8 @@ int64_t checked_rows(const torch::Tensor& x) {
 }
 
 // Q5_0, Q4_K, Q6_K on `road`: its quantizer, then the portable loop (the scalar road) or AVX2's integer sums (the
-// x86 roads, which all have AVX2); on AVX512-VNNI, Q4_K and Q6_K take krows_few below TILED_ROWS rows of x (a decode
-// step: AVX2's sums left those matrices compute-bound at a fraction of the read bandwidth) and krows_tiled from it.
+// x86 roads, which all have AVX2); on AVX512-VNNI, Q4_K and Q6_K take krows_few below KQUANT_TILED_ROWS rows of x (a
+// decode step: AVX2's sums left those matrices compute-bound at a fraction of the read bandwidth), krows_tiled from it.
 using GroupRowsFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const Acts&, int64_t, float*, int64_t);
 
 template <GFmt F>
@@ -760,7 +763,7 @@ void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_
                                               : K / 256 * GroupFormat<GFmt::Q6_K>::BYTES;
   Quantized z = quantize(x, B, K, road);
 #ifdef NANOSERVE_INT8_X86
-  if (road.layout == Layout::QUADS && B < TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
+  if (road.layout == Layout::QUADS && B < KQUANT_TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
     thread_local std::vector<int8_t> xk;
     thread_local std::vector<int32_t> xh;
     xk.resize(B * K);
@@ -774,7 +777,7 @@ void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_
     });
     return;
   }
-  if (road.layout == Layout::QUADS && B >= TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles (krows_tiled)
+  if (road.layout == Layout::QUADS && B >= KQUANT_TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles
     transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
     bias_bytes(z.buffer, B * z.acts.kq);
     z.acts.biased = true;
@@ -994,6 +997,9 @@ void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int6
 
 // The road block_linear_int8 takes by default on this CPU: "avx512-vnni", "avx-vnni", "avx2" or "scalar".
 std::string int8_road() { return int8q::pick("").name; }
+
+// From how many rows of x the AVX512-VNNI road multiplies tiles: (Q4_1, Q8_0 and Q5_0 as Q8_0; Q4_K and Q6_K).
+std::pair<int64_t, int64_t> int8_tiled_rows() { return {int8q::TILED_ROWS, int8q::KQUANT_TILED_ROWS}; }
 
 // Every road this CPU can run, best first (each gives the same bits).
 std::vector<std::string> int8_roads() {
@@ -1519,7 +1525,7 @@ ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t g0, int64_
   });
 }
 
-// ---- The K-quants against a few rows of x (fewer than TILED_ROWS: a decode step). A super-block's eight groups are
+// ---- The K-quants against a few rows of x (fewer than KQUANT_TILED_ROWS: a decode step). A super-block's eight groups are
 // unpacked in four registers straight from its bytes, each register two groups' 64 weights (Q4_K: a byte's two
 // nibbles are two groups), against x laid in the same order once per product (few_x); vpdpbusd's sums are reduced to
 // each group's two halves, eight groups to a register; the fp32 steps are group_rows_avx2's, the scales group_scales8's

@@ -67,6 +67,7 @@ torch::Tensor block_linear_int8_packed(torch::Tensor x, torch::Tensor packed, st
                                        std::string road);
 bool int8_packed_here();
 std::vector<std::string> int8_roads();
+std::pair<int64_t, int64_t> int8_tiled_rows();
 // A whole prompt's causal attention with bf16 products (attention_bf16.cpp), and whether this CPU can run it.
 torch::Tensor prompt_attention_bf16(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale);
 bool prompt_attention_bf16_here();
