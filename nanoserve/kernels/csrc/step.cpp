@@ -299,11 +299,10 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   float* const base = scratch.data_ptr<float>();
   float *qkvp = base + at_qkv, *op = base + at_o, *gup = base + at_gu, *cp = base + at_cs, *sp = cp + n * D;
   float *clp = base + at_cl, *slp = clp + n * D;  // (gemma_) the sliding layers'
-
   float* attnp = base + at_attn;
   const auto u16 = [base](int64_t at) { return reinterpret_cast<uint16_t*>(base + at); };
   uint16_t *ob = u16(at_ob), *ob2 = u16(at_ob2), *ob3 = u16(at_ob3);
-  for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `Llama.rope` looks them up
+  for (int64_t i = 0; i < n; ++i) {  // each token's rotations, as `DecoderLM.rope` looks them up
     std::memcpy(cp + i * D, cos_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     std::memcpy(sp + i * D, sin_table.data_ptr<float>() + pos[i] * D, D * sizeof(float));
     if (!gemma_) continue;
