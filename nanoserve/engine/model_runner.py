@@ -32,9 +32,7 @@ from ..model import Llama
 from ..model.compiled import BlockStep, applies
 from ..model.matmul import forward_rows
 from ..sampling import INVALID, RowSampler, argmax_rows, logprobs_of, sample
-
-Logprobs = dict[int, tuple[float, int]]
-"""One token's log-probabilities: {token: (logprob, rank)}, the chosen token first (`sampling.logprobs_of`)."""
+from .outputs import TokenLogprobs
 
 
 @dataclass
@@ -70,8 +68,8 @@ class RunnerOutput:
     the log-probabilities a pick asked for, and each scored prompt range's, row by row."""
 
     tokens: list[int]
-    logprobs: dict[int, Logprobs]
-    prompt_logprobs: list[list[Logprobs]]
+    logprobs: dict[int, TokenLogprobs]
+    prompt_logprobs: list[list[TokenLogprobs]]
 
 
 class ModelRunner:
@@ -169,7 +167,7 @@ class ModelRunner:
             if m is None:  # the grammar failed before any token: the request fails, with the grammar's reason
                 tokens[i] = INVALID
         wanted = [i for i in batch.logprobs if tokens[i] != INVALID]
-        logprobs: dict[int, Logprobs] = {}
+        logprobs: dict[int, TokenLogprobs] = {}
         if wanted:
             asked = rows if len(wanted) == len(rows) else rows[wanted]  # no copy when all ask
             lps = logprobs_of(asked, [tokens[i] for i in wanted], [batch.logprobs[i] for i in wanted], self.compiled)
