@@ -30,10 +30,11 @@ On the x86 roads a weight is best read from a packed copy (`pack`): the same byt
 register's lanes are already one (row, block) each, which spares every block its permutes and horizontal adds.
 `BlockWeight.int8_packed` keeps one beside the blocks; the bits are the same either way.
 
-From a few dozen rows of x (`tiled_rows`: a prompt, a large batch) the AVX512-VNNI road unpacks each group of four
-weight rows once into a tile, whatever its format (Q4_1, Q8_0 and Q5_0 from their packed copies, Q4_K and Q6_K from
-their blocks), and one micro-kernel multiplies every four rows of x by it: a new format adds an unpacker, not a
-product. Same integers, same fp32 steps, the same bits.
+From a few dozen rows of x (`tiled_rows`: a prompt, a large batch) the AVX512-VNNI road unpacks the weight rows
+once into tiles, whatever their format (Q4_1, Q8_0 and Q5_0 from their packed copies, Q4_K and Q6_K from their
+blocks), each register's 16 lanes 16 weight rows, so that four bytes of a row of x broadcast from memory meet 16
+rows in one instruction; one micro-kernel multiplies every four rows of x by a tile: a new format adds an unpacker,
+not a product. Same integers, same fp32 steps, the same bits.
 """
 
 from __future__ import annotations

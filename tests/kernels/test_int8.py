@@ -334,7 +334,7 @@ def test_grouped_formats_on_random_bytes_and_in_any_batch(ext, fmt):
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, *GROUPED])
-@pytest.mark.parametrize("shape", [(5, 256), (17, 512), (33, 576), (21, 1536), (40, 2048)])
+@pytest.mark.parametrize("shape", [(5, 256), (17, 512), (33, 576), (21, 1536), (40, 2048), (100, 576)])
 def test_many_rows_of_x_are_the_reference_bit_for_bit(ext, fmt, shape):
     """From `int8.tiled_rows()` rows of x the AVX512-VNNI road unpacks each group of four weight rows into a tile once
     (each format an unpacker into the one layout) and multiplies every tile of x rows by it: the reference's bits on

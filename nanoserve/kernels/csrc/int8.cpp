@@ -31,9 +31,10 @@
 // steps: the same bits again, from fewer instructions.
 //
 // From TILED_ROWS rows of x (a prompt, a large batch; the K-quants from KQUANT_TILED_ROWS) the AVX512-VNNI road
-// unpacks each group of four weight rows once into a tile (rows_tiled, krows_tiled): every format has an unpacker into the one layout (Q4_1 and Q8_0 from
-// their packed quads, Q5_0 as Q8_0, Q4_K and Q6_K from their blocks), and one micro-kernel (tstep) multiplies every
-// tile of x rows by it, its fp32 steps those above (group_c's). The bits do not change.
+// unpacks 48 weight rows at a time once into a tile (rows_tiled, krows_tiled): every format has an unpacker into one
+// layout (Q4_1 and Q8_0 from their packed quads, Q5_0 as Q8_0, Q4_K and Q6_K from their blocks), turned so that a
+// register's 16 lanes are 16 weight rows, and one micro-kernel (otile) multiplies every four rows of x by it, its
+// fp32 steps those above (group_c's), lane for lane. The bits do not change.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
 
 #include "nanoserve.h"
@@ -65,10 +66,11 @@ constexpr int64_t GROUP = 16;       // fp32 sums per dot product (block b in lan
 constexpr int64_t QUAD = 128;       // bytes of 4 activation blocks, interleaved (see Acts)
 constexpr int64_t ROWS_PER_TASK = 16;
 constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's task: groups of four rows
-// Rows of x from which the AVX512-VNNI road unpacks each group once (rows_tiled; below it the packed quads' pstep),
-// and the K-quants each super-block (krows_tiled; below it krows_few): where the tiles' unpacking pays for itself.
-constexpr int64_t TILED_ROWS = 48;
+// Rows of x from which the AVX512-VNNI road unpacks the weight rows once into tiles (rows_tiled; below it the packed
+// quads' pstep), and the K-quants (krows_tiled; below it krows_few): where the tiles' unpacking pays for itself.
+constexpr int64_t TILED_ROWS = 32;
 constexpr int64_t KQUANT_TILED_ROWS = 32;
+constexpr int64_t TILE_ROWS = 48;  // weight rows a tile holds (three groups of 16): a tiled product's task
 
 constexpr int64_t K8_BYTES = 40;    // fp32 a, fp32 b, 32 signed bytes: a K-quant group as the 256-bit roads pack it
 
@@ -717,6 +719,16 @@ int64_t checked_rows(const torch::Tensor& x) {
   return K == 0 ? 0 : x.numel() / K;
 }
 
+// The tiled road's tasks: TILE_ROWS weight rows (one tile) each, handed to whichever thread is free, so that a
+// thread slowed by the machine's other work takes fewer of them: f(o0, o1).
+struct NoScratch {};
+
+template <class F>
+void tiled_tasks(Team* team, int64_t N, const F& f) {
+  const auto work = [&](int64_t task, NoScratch&) { f(task * TILE_ROWS, std::min(N, (task + 1) * TILE_ROWS)); };
+  for_each_task<NoScratch>(team, (N + TILE_ROWS - 1) / TILE_ROWS, work);
+}
+
 // Q5_0, Q4_K, Q6_K on `road`: its quantizer, then the portable loop (the scalar road) or AVX2's integer sums (the
 // x86 roads, which all have AVX2); on AVX512-VNNI, Q4_K and Q6_K take krows_few below KQUANT_TILED_ROWS rows of x (a
 // decode step: AVX2's sums left those matrices compute-bound at a fraction of the read bandwidth), krows_tiled from it.
@@ -781,9 +793,9 @@ void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_
     transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
     bias_bytes(z.buffer, B * z.acts.kq);
     z.acts.biased = true;
-    parallel_rows(team, (N + 3) / 4, 1, [&](int64_t begin, int64_t end) {
-      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, o, N);
-      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, o, N);
+    tiled_tasks(team, N, [&](int64_t o0, int64_t o1) {
+      if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
+      else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
     });
     return;
   }
@@ -888,10 +900,17 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   Quantized z = quantize(x, B, K, road);
   transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
   if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
+#ifdef NANOSERVE_INT8_X86
   if (road.layout == Layout::QUADS && B >= TILED_ROWS) {  // the tiled road reads q + 128
     bias_bytes(z.buffer, B * z.acts.kq);
     z.acts.biased = true;
+    tiled_tasks(team, N, [&](int64_t o0, int64_t o1) {
+      if (f == Fmt::Q4_1) avx512_vnni::rows_tiled<Fmt::Q4_1>(packed, row_bytes, o0, o1, z.acts, B, out, N);
+      else avx512_vnni::rows_tiled<Fmt::Q8_0>(packed, row_bytes, o0, o1, z.acts, B, out, N);
+    });
+    return;
   }
+#endif
   parallel_rows(team, (N + 3) / 4, GROUPS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS_PER_TASK)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS_PER_TASK), z.acts, B, out, N);
@@ -1320,13 +1339,14 @@ ROAD_FN void ptile(const uint8_t* p, int rows, const Acts& a, int64_t r0, float*
   ptree<R>(acc, rows, out, ldo);
 }
 
-// ---- the tiled road (many rows of x): a group's quads unpacked once into a tile, then every tile of x rows
-// multiplied by it. A tile's quad is whole registers, nothing left to unpack: the weights as signed bytes (Q4_1's
-// 0..15, Q8_0's own, a K-quant group's integers), each lane's scales a and b in fp32 (group_scales' a and b; Q4_1's
-// d and m), and each lane's -128 * (sum of its first and second half's weights): x arrives as q + 128 (unsigned, as
-// vpdpbusd's other side must be), and the sums start from these so that they end as the same integers. The fp32
-// steps are pstep's and group_c's, lane for lane: the same bits.
-constexpr int64_t TILE_QUAD = 12 * 64;  // bytes of a tile's quad: 8 weight registers, a, b, two starts
+// ---- the tiled road (many rows of x): weight rows unpacked once into a tile, then every four rows of x multiplied
+// by it. Each format's unpacker writes a group of four rows as quads of whole registers, nothing left to unpack
+// (lane 4j + i: row j's block i of the quad): the weights as signed bytes (Q4_1's 0..15, Q8_0's own, a K-quant
+// group's integers), each lane's scales a and b in fp32 (group_scales' a and b; Q4_1's d and m), and each lane's
+// -128 * (sum of its first and second half's weights): x arrives as q + 128 (unsigned, as vpdpbusd's other side must
+// be), and the sums start from these so that they end as the same integers. Four groups' quads are then turned into
+// the tile (quads_to_rows). The fp32 steps are pstep's and group_c's, lane for lane: the same bits.
+constexpr int64_t TILE_QUAD = 12 * 64;  // bytes of an unpacked quad: 8 weight registers, a, b, two starts
 
 template <Fmt F, bool FULL>
 ROAD_FN void tile_quad(const uint8_t* p, int64_t n, uint8_t* out) {
@@ -1352,113 +1372,175 @@ ROAD_FN void tile_quad(const uint8_t* p, int64_t n, uint8_t* out) {
 // Q4_K); HALVES c = (a * d) * isum0, then c + (b * d) * isum1 (Q6_K: a scale each half).
 enum TileMode { PLAIN, M, HALVES };
 
-// Quad t of a tile against R rows of x (q + 128), into acc[r][U]; `real`: the quad's real lanes.
-template <int MODE, int R, int U>
-ROAD_FN void tstep(const uint8_t* q, int64_t t, __mmask16 real, const Acts& a, int64_t r0, __m512 (*acc)[4]) {
-  __m512i w[8];
-#pragma GCC unroll 8
-  for (int k = 0; k < 8; ++k) w[k] = _mm512_load_si512(q + 64 * k);
-  const __m512 aw = _mm512_load_ps(q + 512);
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const int8_t* qx = a.qi + (r0 + r) * a.kq + t * QUAD;
-    __m512i s0 = _mm512_dpbusd_epi32(_mm512_load_si512(q + 640), chunk(qx), w[0]);
-    __m512i s1 = _mm512_dpbusd_epi32(_mm512_load_si512(q + 704), chunk(qx + 64), w[4]);
-#pragma GCC unroll 3
-    for (int k = 1; k < 4; ++k) {
-      s0 = _mm512_dpbusd_epi32(s0, chunk(qx + 16 * k), w[k]);
-      s1 = _mm512_dpbusd_epi32(s1, chunk(qx + 64 + 16 * k), w[4 + k]);
-    }
-    const int64_t at = (r0 + r) * a.ld + 4 * t;
-    const __m512 d = _mm512_broadcast_f32x4(_mm_loadu_ps(a.d + at));
-    __m512 c;
-    if constexpr (MODE == HALVES) {
-      c = _mm512_mul_ps(_mm512_mul_ps(aw, d), _mm512_cvtepi32_ps(s0));
-      c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(q + 576), d), _mm512_cvtepi32_ps(s1)));
-    } else {
-      c = _mm512_mul_ps(_mm512_mul_ps(aw, d), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)));
-      if constexpr (MODE == M)
-        c = _mm512_add_ps(c, _mm512_mul_ps(_mm512_load_ps(q + 576), _mm512_broadcast_f32x4(_mm_loadu_ps(a.ds + at))));
-    }
-    acc[r][U] = _mm512_mask_add_ps(acc[r][U], real, acc[r][U], c);
-  }
-}
+// The micro-kernel's tile: each group of four quads above (16 weight rows) turned so that a register's lane is a
+// weight row: for block b, 8 registers (register k, lane o: row o's weights at positions 4k..4k+3), then a, b and the
+// two starts, lane o row o's. A row of x then meets 16 weight rows in one vpdpbusd from four of its bytes broadcast
+// from memory (no shuffle: the 128-bit broadcasts the quads take cost a shuffle each), and each lane's sums are one
+// row's integers: the same integers, the same fp32 steps lane for lane.
+constexpr int64_t TILE_BLOCK = TILE_QUAD;  // bytes of a block of 16 weight rows
+constexpr int TILE_X = 4;                  // rows of x the micro-kernel takes at once
 
-// A tile of `quads` quads (four weight rows, `rows` of them real; the last quad's real lanes `last`) against R rows
-// of x (from row r0): out[r * ldo + j].
-template <int MODE, int R>
-ROAD_FN void ttile(const uint8_t* q, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t r0, float* out,
-                   int64_t ldo) {
-  __m512 acc[R][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
+// Lane 4i + j <- lane 4j + i: a quad register's 4 x 4 (row, block) transposed.
+alignas(64) constexpr int32_t TRANSPOSE4[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+// Quad t of four groups' quads (q[g]: group g's, lanes 4j + i) -> blocks 4t..4t + n - 1 of 16 rows (lane 4g + j).
+ROAD_FN void quads_to_rows(const uint8_t* const q[4], int64_t n, uint8_t* out) {
+  const __m512i turn = idx(TRANSPOSE4);
+#pragma GCC unroll 12
+  for (int v = 0; v < 12; ++v) {
+    __m512i g[4];
 #pragma GCC unroll 4
-    for (int u = 0; u < 4; ++u) acc[r][u] = _mm512_setzero_ps();
-  const auto real = [&](int64_t t) { return t == quads - 1 ? last : static_cast<__mmask16>(0xffff); };
-  int64_t t = 0;
-  for (; t + 4 <= quads; t += 4, q += 4 * TILE_QUAD) {
-    tstep<MODE, R, 0>(q, t, real(t), a, r0, acc);
-    tstep<MODE, R, 1>(q + TILE_QUAD, t + 1, real(t + 1), a, r0, acc);
-    tstep<MODE, R, 2>(q + 2 * TILE_QUAD, t + 2, real(t + 2), a, r0, acc);
-    tstep<MODE, R, 3>(q + 3 * TILE_QUAD, t + 3, real(t + 3), a, r0, acc);
+    for (int h = 0; h < 4; ++h) g[h] = _mm512_permutexvar_epi32(turn, _mm512_load_si512(q[h] + 64 * v));
+    const __m512i p0 = _mm512_shuffle_i32x4(g[0], g[1], 0x44), p1 = _mm512_shuffle_i32x4(g[2], g[3], 0x44);
+    const __m512i p2 = _mm512_shuffle_i32x4(g[0], g[1], 0xee), p3 = _mm512_shuffle_i32x4(g[2], g[3], 0xee);
+    const __m512i b[4] = {_mm512_shuffle_i32x4(p0, p1, 0x88), _mm512_shuffle_i32x4(p0, p1, 0xdd),
+                          _mm512_shuffle_i32x4(p2, p3, 0x88), _mm512_shuffle_i32x4(p2, p3, 0xdd)};
+    for (int64_t i = 0; i < n; ++i) _mm512_store_si512(out + i * TILE_BLOCK + 64 * v, b[i]);
   }
-  if (t < quads) tstep<MODE, R, 0>(q, t, real(t), a, r0, acc);
-  if (t + 1 < quads) tstep<MODE, R, 1>(q + TILE_QUAD, t + 1, real(t + 1), a, r0, acc);
-  if (t + 2 < quads) tstep<MODE, R, 2>(q + 2 * TILE_QUAD, t + 2, real(t + 2), a, r0, acc);
-  ptree<R>(acc, rows, out, ldo);
 }
 
-// A group's tile (4 weight rows, `rows` real) against rows r0..r0 + xr of x (xr <= 4): out[r * ldo + j].
-template <int MODE>
-ROAD_FN void trows(const uint8_t* tile, int64_t quads, __mmask16 last, int rows, const Acts& a, int64_t r0, int64_t xr,
-                   float* out, int64_t ldo) {
-  if (xr == 4) ttile<MODE, 4>(tile, quads, last, rows, a, r0, out, ldo);
-  else if (xr == 3) ttile<MODE, 3>(tile, quads, last, rows, a, r0, out, ldo);
-  else if (xr == 2) ttile<MODE, 2>(tile, quads, last, rows, a, r0, out, ldo);
-  else ttile<MODE, 1>(tile, quads, last, rows, a, r0, out, ldo);
+// Rows r0..r0 + R - 1 of x (q + 128, quads transposed) against NW groups of 16 weight rows (group n's blocks at
+// tile + n * gstride): out[r * ldo + 16n + o] for the first `cols` of the 16 * NW rows. Block b's sums go to
+// acc[b % 16]; the blocks of one acc are taken together (b = j, j + 16, ...), each acc is kept, and tree16's adds
+// are then whole registers: lane o is row o's tree.
+template <int MODE, int R, int NW>
+ROAD_FN void otile(const uint8_t* tile, int64_t gstride, const Acts& a, int64_t r0, float* out, int64_t ldo,
+                   int64_t cols) {
+  alignas(64) float kept[GROUP][R][NW][16];
+  const int8_t* x0 = a.qi + r0 * a.kq;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    __m512 acc[R][NW];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int n = 0; n < NW; ++n) acc[r][n] = _mm512_setzero_ps();
+    for (int64_t b = j; b < a.nb; b += GROUP) {
+      const uint8_t* q = tile + b * TILE_BLOCK;
+      const int8_t* xb = x0 + (b / 4) * QUAD + 4 * (b % 4);
+      __m512i s[R][NW];
+      __m512 c[R][NW];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {  // positions 0..15, then 16..31
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+          for (int n = 0; n < NW; ++n)
+            if (MODE == HALVES || h == 0) s[r][n] = _mm512_load_si512(q + n * gstride + 640 + 64 * h);
+#pragma GCC unroll 4
+        for (int k = 4 * h; k < 4 * h + 4; ++k) {
+          __m512i w[NW];
+#pragma GCC unroll 4
+          for (int n = 0; n < NW; ++n) w[n] = _mm512_load_si512(q + n * gstride + 64 * k);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m512i xk = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xb + r * a.kq + 64 * h + 16 * (k % 4)));
+#pragma GCC unroll 4
+            for (int n = 0; n < NW; ++n) s[r][n] = _mm512_dpbusd_epi32(s[r][n], xk, w[n]);
+          }
+        }
+        if (MODE != HALVES && h == 0) continue;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512 d = _mm512_set1_ps(a.d[(r0 + r) * a.ld + b]);
+#pragma GCC unroll 4
+          for (int n = 0; n < NW; ++n) {
+            const uint8_t* qn = q + n * gstride;
+            if (MODE == HALVES && h == 0) {
+              c[r][n] = _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(qn + 512), d), _mm512_cvtepi32_ps(s[r][n]));
+              continue;
+            }
+            __m512 v;
+            if constexpr (MODE == HALVES) {
+              v = _mm512_add_ps(c[r][n], _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(qn + 576), d),
+                                                       _mm512_cvtepi32_ps(s[r][n])));
+            } else {
+              v = _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(qn + 512), d),
+                                _mm512_cvtepi32_ps(_mm512_add_epi32(s[r][n], _mm512_load_si512(qn + 704))));
+              if constexpr (MODE == M)
+                v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_load_ps(qn + 576), _mm512_set1_ps(a.ds[(r0 + r) * a.ld + b])));
+            }
+            acc[r][n] = _mm512_add_ps(acc[r][n], v);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int n = 0; n < NW; ++n) _mm512_store_ps(kept[j][r][n], acc[r][n]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int n = 0; n < NW && 16 * n < cols; ++n) {
+      __m512 t[8], u[4];
+      for (int j = 0; j < 8; ++j) t[j] = _mm512_add_ps(_mm512_load_ps(kept[j][r][n]), _mm512_load_ps(kept[j + 8][r][n]));
+      for (int j = 0; j < 4; ++j) u[j] = _mm512_add_ps(t[j], t[j + 4]);
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * n, first16(cols - 16 * n),
+                            _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3])));
+    }
 }
 
-// This thread's tile buffer, 64-byte aligned, for `quads` quads.
-ROAD_FN uint8_t* tile_buffer(int64_t quads) {
+// Rows r0..r0 + xr - 1 of x (xr <= TILE_X) against the tile's first `groups` groups.
+template <int MODE, int R = TILE_X>
+ROAD_FN void orows(int xr, int groups, const uint8_t* tile, int64_t gstride, const Acts& a, int64_t r0, float* out,
+                   int64_t ldo, int64_t cols) {
+  if constexpr (R > 0) {
+    if (xr != R) return orows<MODE, R - 1>(xr, groups, tile, gstride, a, r0, out, ldo, cols);
+    constexpr int WIDE = MODE == HALVES ? 2 : 3;  // Q6_K's second scale takes registers: two groups at a time
+    for (int n = 0; n < groups; n += WIDE) {
+      const int here = std::min(WIDE, groups - n);
+      const uint8_t* t = tile + n * gstride;
+      float* o = out + 16 * n;
+      if (here == 3) otile<MODE, R, 3>(t, gstride, a, r0, o, ldo, cols - 16 * n);
+      else if (here == 2) otile<MODE, R, 2>(t, gstride, a, r0, o, ldo, cols - 16 * n);
+      else otile<MODE, R, 1>(t, gstride, a, r0, o, ldo, cols - 16 * n);
+    }
+  }
+}
+
+// This thread's tile buffer, 64-byte aligned, of `bytes` (a tile, then its groups' quads as their unpacker writes them).
+ROAD_FN uint8_t* tile_buffer(int64_t bytes) {
   thread_local std::vector<uint8_t> kept;
-  if (kept.size() < static_cast<size_t>(quads * TILE_QUAD + 64)) kept.resize(quads * TILE_QUAD + 64);
+  if (kept.size() < static_cast<size_t>(bytes + 64)) kept.resize(bytes + 64);
   return kept.data() + (64 - reinterpret_cast<uintptr_t>(kept.data()) % 64) % 64;
-}
-
-// Groups whose tiles are held at once, so that a tile of x rows passes over them all while it is in L1: as many as
-// fit in 24 KB (at most a task's four), at least one (a long row's tile alone, x then read from L2 for each group).
-ROAD_FN int64_t tiles_held(int64_t quads) {
-  return std::clamp<int64_t>((24 << 10) / (quads * TILE_QUAD), 1, GROUPS_PER_TASK);
 }
 
 // The real lanes of a last quad of `left` blocks (1..4).
 ROAD_FN __mmask16 quad_lanes(int64_t left) { return static_cast<__mmask16>(0x1111u * ((1u << left) - 1)); }
 
-// Groups g0..g1 (weight rows 4g..4g + 3 of N) against all B rows of x (q + 128, quads transposed): build(g, tile)
-// unpacks group g into a tile (its format's unpacker); the groups' tiles are held as tiles_held allows, and each
-// tile of x rows passes over all the held ones while it is in cache. out[r * N + o].
+// Weight rows o0..o1 (o0 a multiple of TILE_ROWS; o1 - o0 <= TILE_ROWS) against all B rows of x (q + 128, quads
+// transposed): build(g, quads) unpacks the four rows 4g..4g + 3 into quads (its format's unpacker), which are turned
+// into the tile once; then every TILE_X rows of x pass over it. out[r * N + o].
 template <int MODE, class Build>
-ROAD_FN void tiled_groups(int64_t g0, int64_t g1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build) {
-  const int64_t quads = (a.nb + 3) / 4, held = tiles_held(quads);
-  const __mmask16 last = quad_lanes(a.nb - 4 * (quads - 1));
-  uint8_t* tiles = tile_buffer(quads * held);
-  for (int64_t h = g0; h < g1; h += held) {
-    const int64_t h1 = std::min(g1, h + held);
-    for (int64_t g = h; g < h1; ++g) build(g, tiles + (g - h) * quads * TILE_QUAD);
-    for (int64_t r0 = 0; r0 < B; r0 += 4)
-      for (int64_t g = h; g < h1; ++g)
-        trows<MODE>(tiles + (g - h) * quads * TILE_QUAD, quads, last, static_cast<int>(std::min<int64_t>(4, N - 4 * g)),
-                    a, r0, std::min<int64_t>(4, B - r0), out + r0 * N + 4 * g, N);
+ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build) {
+  const int64_t quads = (a.nb + 3) / 4, gstride = a.nb * TILE_BLOCK, groups = (o1 - o0 + 15) / 16;
+  uint8_t* tile = tile_buffer(TILE_ROWS / 16 * gstride + 4 * quads * TILE_QUAD);
+  uint8_t* unpacked = tile + TILE_ROWS / 16 * gstride;
+  for (int64_t n = 0; n < groups; ++n) {
+    const uint8_t* q[4];
+    for (int h = 0; h < 4; ++h) {
+      const int64_t g = (o0 + 16 * n) / 4 + h;
+      uint8_t* at = unpacked + h * quads * TILE_QUAD;
+      if (4 * g < N) build(g, at);
+      else std::memset(at, 0, quads * TILE_QUAD);
+      q[h] = at;
+    }
+    for (int64_t t = 0; t < quads; ++t) {
+      const uint8_t* qt[4] = {q[0] + t * TILE_QUAD, q[1] + t * TILE_QUAD, q[2] + t * TILE_QUAD, q[3] + t * TILE_QUAD};
+      quads_to_rows(qt, std::min<int64_t>(4, a.nb - 4 * t), tile + n * gstride + 4 * t * TILE_BLOCK);
+    }
   }
+  for (int64_t r0 = 0; r0 < B; r0 += TILE_X)
+    orows<MODE>(static_cast<int>(std::min<int64_t>(TILE_X, B - r0)), static_cast<int>(groups), tile, gstride, a, r0,
+                out + r0 * N + o0, N, o1 - o0);
 }
 
-// Packed groups g0..g1 of a weight of N rows (Q4_1, Q8_0) against all B rows of x, each group's quads unpacked into
-// its tile: out[r * N + o].
+// Weight rows o0..o1 (a task: o0 a multiple of 16, at most TILE_ROWS) of a packed weight of N rows (Q4_1, Q8_0)
+// against all B rows of x, each group of four rows unpacked from its quads: out[r * N + o].
 template <Fmt F>
-ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t g0, int64_t g1, const Acts& a, int64_t B,
+ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
                         float* out, int64_t N) {
   const int64_t quads = (a.nb + 3) / 4, left = a.nb - 4 * (quads - 1);  // the last quad's blocks, 1..4
-  tiled_groups<F == Fmt::Q4_1 ? M : PLAIN>(g0, g1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
+  tiled_rows<F == Fmt::Q4_1 ? M : PLAIN>(o0, o1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
     const uint8_t* p = packed + g * 4 * row_bytes;
     for (int64_t t = 0; t < quads; ++t, p += 16 * block_bytes<F>()) {
       if (t < quads - 1 || left == 4) tile_quad<F, true>(p, 4, tile + t * TILE_QUAD);
@@ -1514,13 +1596,13 @@ ROAD_FN void ktile(const uint8_t* w, int64_t row_bytes, int rows, int64_t nb, ui
   }
 }
 
-// Groups g0..g1 of a weight of N rows of K-quant blocks against all B rows of x, each group unpacked by ktile:
-// out[r * N + o].
+// Weight rows o0..o1 (a task, as rows_tiled's) of K-quant blocks against all B rows of x, each group of four rows
+// unpacked by ktile: out[r * N + o].
 template <GFmt F>
-ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t g0, int64_t g1, const Acts& a, int64_t B,
+ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
                          float* out, int64_t N) {
   constexpr int MODE = F == GFmt::Q6_K ? HALVES : F == GFmt::Q4_K ? M : PLAIN;
-  tiled_groups<MODE>(g0, g1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
+  tiled_rows<MODE>(o0, o1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
     ktile<F>(w + 4 * g * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a.nb, tile);
   });
 }
@@ -1641,11 +1723,6 @@ ROAD_FN void prows_tile(int xr, const uint8_t* packed, int64_t row_bytes, int64_
 // Packed groups g0..g1 of a weight of N rows against all B rows of x (its quads transposed): out[r * N + o].
 __attribute__((target(INT8_TARGET))) void rows_packed(Fmt f, const uint8_t* packed, int64_t row_bytes, int64_t g0,
                                                       int64_t g1, const Acts& a, int64_t B, float* out, int64_t N) {
-  if (a.biased) {
-    if (f == Fmt::Q4_1) rows_tiled<Fmt::Q4_1>(packed, row_bytes, g0, g1, a, B, out, N);
-    else rows_tiled<Fmt::Q8_0>(packed, row_bytes, g0, g1, a, B, out, N);
-    return;
-  }
   for (int64_t r0 = 0; r0 < B; r0 += 4) {
     const int n = static_cast<int>(std::min<int64_t>(4, B - r0));
     if (f == Fmt::Q4_1) prows_tile<Fmt::Q4_1>(n, packed, row_bytes, g0, g1, N, a, r0, out + r0 * N, N);
