@@ -891,6 +891,7 @@ bool packed_here() { return best().layout != Layout::NONE; }
 
 // x (B, K) quantized, its quads transposed, then times a weight of N rows packed in `road`'s layout: out (B, N).
 // Threads split the rows in groups of four; a task's 16 rows stay in cache while every tile of x passes over them.
+// From TILED_ROWS rows of x (AVX512-VNNI) the tiled road's tasks of TILE_ROWS rows are taken instead (tiled_tasks).
 // With a team, each of its threads quantizes x for itself and computes its share of the rows.
 void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, int64_t K, const float* x, int64_t B,
                     float* out, Team* team = nullptr) {
