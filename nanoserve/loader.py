@@ -17,9 +17,10 @@ KV_CACHE_DTYPES = ("auto", "bfloat16")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
-def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: bool = False) -> None:
+def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: bool = False,
+                      several_kv: bool = False) -> None:
     """`load`'s options as flags, one set for `generate`, `serve` and the benches (`weights`: --weights' default;
-    `gguf`: a --gguf file may be named)."""
+    `gguf`: a --gguf file may be named; `several_kv`: --kv-cache-dtype takes several, a bench's runs of each)."""
     ap.add_argument("--model", help="a checkpoint folder, or a model's name: smollm2-135m, gemma3-270m (fetched and "
                     "converted on first use; default: smollm2-135m)")
     ap.add_argument("--weights", choices=WEIGHTS, default=weights,
@@ -30,8 +31,12 @@ def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: 
                     help="bfloat16: the folder's matrices and the K/V cache in bf16 (faster, not exact)")
     ap.add_argument("--activations", choices=ACTIVATIONS, default="fp32",
                     help="int8: with --weights gguf, the blocks multiply int8-rounded activations (llama.cpp's way)")
-    ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                    help="bfloat16: the K/V cache in bf16 whatever the weights (half its bytes; not exact)")
+    kv_help = "bfloat16: the K/V cache in bf16 whatever the weights (half its bytes; not exact)"
+    if several_kv:
+        ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, nargs="+", default=["auto"],
+                        help=kv_help + "; several for runs of each")
+    else:
+        ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=kv_help)
 
 
 def from_cli(args: argparse.Namespace) -> tuple[Llama, Tokenizer]:

@@ -28,7 +28,7 @@ from ..engine import LLMEngine
 from ..model import Llama
 from ..model.fetch import ensure_model, gguf_of, model_folder
 from . import csvio
-from .clients import free_port, llama_server_argv, llama_server_path, llama_server_version, start_server
+from .clients import LLAMA_KV_CACHE, free_port, llama_server_argv, llama_server_path, llama_server_version, start_server
 from .command import common_arguments, csv_header, engine_argv, engine_config, report, start
 from .harness import Workload, greedy, load_hf_model, prompt_heavy_workload, ragged_workload, run_requests
 from .serving import SLO, arrival_times, serving_metrics
@@ -172,6 +172,14 @@ def peer_runs(systems: Sequence[str], slots: Sequence[int] | None) -> list[tuple
     return runs
 
 
+def kv_runs(system: str, label: str, kv_dtypes: Sequence[str]) -> list[tuple[str, str]]:
+    """(label, K/V cache dtype) of each run of a system: nanoserve once per --kv-cache-dtype (a bf16 cache labelled
+    `... kv-bf16`), a peer once, with its own cache."""
+    if not system.startswith("nanoserve"):
+        return [(label, kv_dtypes[0])]
+    return [(label + (" kv-bf16" if kv == "bfloat16" else ""), kv) for kv in kv_dtypes]
+
+
 def budget_runs(system: str, label: str, config: EngineConfig, options: Sequence[str], budget: str, slo: SLO,
                 ) -> list[tuple[str, EngineConfig, list[str]]]:
     """(label, engine config, `serve` options) for each run of a nanoserve system under `--slo-budget`: "off" as
@@ -284,7 +292,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--llama-server-slots", type=int, nargs="+", default=None, metavar="N",
                     help="llama-server's --parallel, one run per value (default: --max-num-seqs)")
     common_arguments(ap, CSV_PATH, engine=True, rates=[0.5, 1.0, 1.5, 2.0, 3.0, 4.0], requests=40, seed=0,
-                     weights="fp32")
+                     weights="fp32", several_kv=True)
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
@@ -295,7 +303,14 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         systems.remove("llama-server")
     if not systems:
         return 0
-    model, tok = start(args)
+    kv_dtypes = list(dict.fromkeys(args.kv_cache_dtype))
+    start(args, model=False)
+
+    def with_kv(kv: str) -> argparse.Namespace:  # the command's flags with one K/V cache dtype
+        return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
+
+    models = {kv_dtypes[0]: loader.from_cli(with_kv(kv_dtypes[0]))}  # the others loaded when an engine run needs one
+    tok = models[kv_dtypes[0]][1]
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
     w = WORKLOADS[args.workload](tok, args.requests, seed=args.seed)
     traces = {rate: arrival_times(args.requests, rate, args.burstiness, args.seed) for rate in args.rates}
@@ -305,21 +320,26 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
                                                             tpot_slo_ms=config.scheduler.tpot_slo_ms),
                  slo_budget=args.slo_budget,
                  weights=args.weights, dtype=args.dtype, activations=args.activations,
-                 kv_cache_dtype=args.kv_cache_dtype)
+                 kv_cache_dtype=kv_dtypes[0] if len(kv_dtypes) == 1 else kv_dtypes)
     if any(s.startswith("transformers") for s in systems):  # the peer's speed is its release's
         extra["transformers"] = importlib.metadata.version("transformers")
     slots = args.llama_server_slots or [config.scheduler.max_num_seqs]  # llama-server's, one run each
     if "llama-server" in systems:  # the peer's release and how it was run
         extra["llama_server"] = llama_server_version(llama_server_path())
         extra["llama_server_args"] = dict(parallel=slots, ctx_size_per_slot=slot_tokens(w), cont_batching=True,
-                                          threads=peer_threads(args.threads))
+                                          threads=peer_threads(args.threads), cache_type_k=LLAMA_KV_CACHE,
+                                          cache_type_v=LLAMA_KV_CACHE)
     meta = csv_header(argv, **extra)
-    server_options = engine_argv(args) + loader.cli_argv(args) + (["--threads", str(args.threads)]
-                                                                  if args.threads else [])
+    threads = ["--threads", str(args.threads)] if args.threads else []
     replays: list[Replay] = []
-    runs = [(system, run, parallel) for system, label, parallel in peer_runs(systems, slots)
-            for run in budget_runs(system, label, config, server_options, args.slo_budget, slo)]
-    for system, (label, run_config, run_options), parallel in runs:
+    runs = [(system, run, parallel, kv) for system, label, parallel in peer_runs(systems, slots)
+            for kv_label, kv in kv_runs(system, label, kv_dtypes)
+            for run in budget_runs(system, kv_label, config, engine_argv(args) + loader.cli_argv(with_kv(kv)) + threads,
+                                   args.slo_budget, slo)]
+    for system, (label, run_config, run_options), parallel, kv in runs:
+        if system == "nanoserve-engine" and kv not in models:
+            models[kv] = loader.from_cli(with_kv(kv))
+        model = models.get(kv, models[kv_dtypes[0]])[0]  # a server loads its own
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
         print(f"{label} ...", flush=True)

@@ -74,12 +74,17 @@ def llama_server_version(binary: Path) -> str:
     return f"{build} from {source.read_text().splitlines()[0] if source.is_file() else '?'}"
 
 
+LLAMA_KV_CACHE = "f16"  # llama-server's K/V cache type (its default), named on its command line
+
+
 def llama_server_argv(binary: Path, gguf: Path, port: int, parallel: int, slot_tokens: int,
                       threads: int) -> list[str]:
-    """llama-server on the GGUF with continuous batching over `parallel` slots of `slot_tokens` each."""
+    """llama-server on the GGUF with continuous batching over `parallel` slots of `slot_tokens` each, its K/V cache
+    in LLAMA_KV_CACHE."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel", str(parallel),
             "--cont-batching", "--ctx-size", str(parallel * slot_tokens), "--threads", str(threads),
-            "--threads-batch", str(threads), "--no-webui"]
+            "--threads-batch", str(threads), "--cache-type-k", LLAMA_KV_CACHE, "--cache-type-v", LLAMA_KV_CACHE,
+            "--no-webui"]
 
 
 def build_llama_server(jobs: int | None = None, spec: str = LLAMA_CPP_PYTHON, verbose: bool = False) -> Path:

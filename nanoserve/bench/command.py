@@ -33,13 +33,13 @@ SHARED: dict[str, dict[str, Any]] = {  # options more than one command takes, ea
 
 
 def common_arguments(ap: argparse.ArgumentParser, csv_path: str, engine: bool = False, weights: str | None = None,
-                     **shared: Any) -> None:
+                     several_kv: bool = False, **shared: Any) -> None:
     """--out, --threads, each SHARED option in `shared` with that default, with `weights` `load`'s flags (that
-    --weights default), and with `engine` EngineConfig's."""
+    --weights default; `several_kv`: --kv-cache-dtype a list), and with `engine` EngineConfig's."""
     ap.add_argument("--out", default=csv_path, help=f"the CSV to write (default: {csv_path})")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     if weights is not None:
-        loader.add_cli_arguments(ap, weights)
+        loader.add_cli_arguments(ap, weights, several_kv=several_kv)
         ap.set_defaults(load_flags=True)  # what `start` loads by
     for name, default in shared.items():
         ap.add_argument(f"--{name.replace('_', '-')}", default=default, **SHARED[name])

@@ -80,6 +80,24 @@ def test_slo_budget_runs_nanoserve_with_and_without_the_slos_tpot_target_and_a_p
         ("llama-server -np 8", config, options)]
 
 
+def test_nanoserve_runs_once_per_kv_cache_dtype_and_a_peer_once_with_its_own():
+    from nanoserve.bench.arrivals import kv_runs
+
+    assert kv_runs("nanoserve-server", "nanoserve-server", ["auto", "bfloat16"]) == [
+        ("nanoserve-server", "auto"), ("nanoserve-server kv-bf16", "bfloat16")]
+    assert kv_runs("nanoserve-engine", "nanoserve-engine", ["auto"]) == [("nanoserve-engine", "auto")]
+    assert kv_runs("llama-server", "llama-server -np 8", ["auto", "bfloat16"]) == [("llama-server -np 8", "auto")]
+
+
+def test_arrivals_takes_several_kv_cache_dtypes_and_serve_one():
+    from nanoserve.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "arrivals", "--kv-cache-dtype", "auto", "bfloat16"])
+    assert args.kv_cache_dtype == ["auto", "bfloat16"]
+    assert build_parser().parse_args(["bench", "arrivals"]).kv_cache_dtype == ["auto"]
+    assert build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"]).kv_cache_dtype == "bfloat16"
+
+
 def test_the_prompt_heavy_workload_keeps_to_its_ranges(tok):
     from nanoserve.bench.harness import prompt_heavy_workload
 

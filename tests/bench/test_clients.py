@@ -29,6 +29,7 @@ def test_llama_server_gets_a_slot_per_sequence_and_the_context_they_need(tmp_pat
     assert "--cont-batching" in argv and flags["--parallel"] == "4" and flags["--ctx-size"] == "1200"
     assert flags["--threads"] == flags["--threads-batch"] == "2" and flags["--host"] == "127.0.0.1"
     assert flags["--port"] == "8123" and flags["-m"] == str(tmp_path / "m.gguf")
+    assert flags["--cache-type-k"] == flags["--cache-type-v"] == "f16"  # its K/V cache named, as the CSV records it
 
 
 @pytest.mark.parametrize("system, starts", [("nanoserve-server", 1), ("llama-server", 3)])
