@@ -20,7 +20,9 @@ The arithmetic (`csrc/int8.cpp` says it in full), per row of x and weight row:
 Q5_0, Q4_K and Q6_K (Gemma 3's formats) take the same steps group of 32 by group, each group with its own
 scales (`group_terms` says which; `csrc/int8.cpp` has the steps): their integer sums come from the portable loop
 or, on every x86 road, from AVX2's. A Q5_0 group's steps are a Q8_0 block's, so Q5_0 packs as Q8_0
-(`q5_0_as_q8_0`); on the 256-bit roads the K-quants pack as their groups' integers and fp32 scales (`as_k8`).
+(`q5_0_as_q8_0`); one row of x on AVX512-VNNI reads its own blocks instead (`q5_0_blocks`: 22 bytes a block
+against the copy's 34, where a batch-1 decode step is read-bound). On the 256-bit
+roads the K-quants pack as their groups' integers and fp32 scales (`as_k8`).
 
 The integers are exact and the fp32 steps are fixed, so every road (AVX512-VNNI, AVX-VNNI, AVX2, the
 portable loop) gives the same bits, a row's result depends on that row of x only, and
@@ -179,7 +181,7 @@ def block_linear_int8(x: Tensor, blocks: Tensor, fmt: str, road: str | None = No
         return handle_torch_function(block_linear_int8, (x, blocks), x, blocks, fmt, road, compiled, packed)
     block_bytes(fmt)
     if resolve(compiled) and not (x.requires_grad and torch.is_grad_enabled()):
-        if packed is not None and road is None:
+        if packed is not None and road is None and not (fmt == "q5_0" and q5_0_blocks(x.numel() // x.shape[-1])):
             return block_linear_int8_packed(x, packed, fmt, blocks.shape[0])
         return load_kernels().block_linear_int8(x.contiguous(), blocks, fmt, road or "")  # type: ignore[union-attr]
     if road is not None:
@@ -258,6 +260,12 @@ def int8_road() -> str:
     """The road `block_linear_int8` takes here: "avx512-vnni", "avx-vnni", "avx2", "scalar", or "torch"
     where the kernels are not in use."""
     return load_kernels().int8_road() if available() else "torch"  # type: ignore[union-attr]
+
+
+def q5_0_blocks(rows: int) -> bool:
+    """Whether `rows` rows of x meet a Q5_0 weight's own blocks (22 bytes a block) rather than its packed Q8_0 copy
+    (34): on the AVX512-VNNI road, for one row of x, whose product is read-bound."""
+    return bool(available() and load_kernels().int8_q5_0_blocks(rows))  # type: ignore[union-attr]
 
 
 def tiled_rows() -> tuple[int, int]:

@@ -289,6 +289,21 @@ def test_q5_0_rows_off_a_chunk_of_eight_groups(ext, k):
             assert torch.equal(int8.block_linear_int8(x, blocks, "q5_0", road), want), road
 
 
+@pytest.mark.parametrize("k", [32, 96, 352, 640, 2048])
+def test_one_row_of_x_reads_q5_0s_own_blocks_with_the_packed_copys_bits(ext, k):
+    """A decode step's one row of x meets a Q5_0 weight's own blocks on AVX512-VNNI (eight at a time, a short last
+    eight), two rows and more its packed Q8_0 copy: the same bits either way, and the reference's."""
+    assert int8.q5_0_blocks(1) == (int8.int8_road() == "avx512-vnni") and not int8.q5_0_blocks(2)
+    blocks, _ = blocks_for(37, k, "q5_0", seed=k)
+    x = activations(3, k, seed=k + 2)
+    packed = int8.pack(blocks, "q5_0")
+    with torch.inference_mode():
+        for rows in (1, 2, 3):
+            want = int8.block_linear_int8_reference(x[:rows], blocks, "q5_0")
+            assert torch.equal(int8.block_linear_int8(x[:rows], blocks, "q5_0", packed=packed), want), rows
+            assert torch.equal(int8.block_linear_int8(x[:rows], blocks, "q5_0"), want), rows
+
+
 @pytest.mark.parametrize("fmt", ["q4_k", "q6_k"])
 def test_k8_blocks_hold_the_groups_terms(fmt):
     """A K8 block is its group's scales and integers as the product's steps read them (`group_terms`)."""

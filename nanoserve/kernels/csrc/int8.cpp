@@ -100,6 +100,8 @@ struct Acts {
 
 // Where block b's first half lies in its row of qi (its second half 64 bytes on).
 inline int64_t lo_at(int64_t b) { return (b / 4) * QUAD + (b % 4) * 16; }
+// Super-blocks of eight groups krows_few takes x's blocks in (few_x): Q5_0's last may be part of one.
+inline int64_t few_supers(const Acts& a) { return (a.nb + 7) / 8; }
 
 inline float half(const uint8_t* p) {
   uint16_t h;
@@ -743,26 +745,32 @@ GroupRowsFn group_rows_for(const Road& road) {
   return group_rows_scalar<F>;
 }
 
-// x's quantized rows as krows_few reads them: each super-block's eight blocks, 32 bytes each in position order, in the
-// order its format's registers hold the groups (Q4_K: 0, 2, 1, 3, 4, 6, 5, 7: a byte's two nibbles are two groups;
-// Q6_K: 0..7); and for Q6_K, 32 x each block half's sum, in the order khalves gives the halves (first halves, then
-// second), which vpdpbusd's sums on q = qw + 32 exceed qw's by.
+// x's quantized rows as krows_few reads them: each super-block's eight blocks (Q5_0: each eight blocks, the last
+// eight padded with zeros), 32 bytes each in position order, in the order its format's registers hold the groups
+// (Q4_K: 0, 2, 1, 3, 4, 6, 5, 7: a byte's two nibbles are two groups; Q6_K, Q5_0: 0..7); and for Q6_K (Q5_0), 32
+// (16) x each block half's sum, in the order khalves gives the halves (first halves, then second), which vpdpbusd's
+// sums on q = qw + 32 (qw + 16) exceed qw's by.
 void few_x(GFmt f, const Acts& a, int64_t B, int8_t* xk, int32_t* xh) {
   constexpr int64_t Q4_K_ORDER[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  const int64_t supers = a.nb / 8;
+  const int64_t supers = few_supers(a);
+  const int32_t offset = f == GFmt::Q6_K ? 32 : 16;
   for (int64_t r = 0; r < B; ++r)
     for (int64_t u = 0; u < supers; ++u)
       for (int64_t t = 0; t < 8; ++t) {
         const int64_t g = 8 * u + (f == GFmt::Q4_K ? Q4_K_ORDER[t] : t);
-        const int8_t* lo = a.qi + r * a.kq + lo_at(g);
         int8_t* to = xk + (r * supers + u) * 256 + 32 * t;
-        std::memcpy(to, lo, 16);
-        std::memcpy(to + 16, lo + 64, 16);
-        if (f != GFmt::Q6_K) continue;
         int32_t h0 = 0, h1 = 0;
-        for (int j = 0; j < 16; ++j) h0 += lo[j], h1 += lo[64 + j];
-        xh[(r * supers + u) * 16 + t] = 32 * h0;
-        xh[(r * supers + u) * 16 + 8 + t] = 32 * h1;
+        if (g < a.nb) {
+          const int8_t* lo = a.qi + r * a.kq + lo_at(g);
+          std::memcpy(to, lo, 16);
+          std::memcpy(to + 16, lo + 64, 16);
+          for (int j = 0; j < 16; ++j) h0 += lo[j], h1 += lo[64 + j];
+        } else {
+          std::memset(to, 0, 32);
+        }
+        if (f == GFmt::Q4_K) continue;
+        xh[(r * supers + u) * 16 + t] = offset * h0;
+        xh[(r * supers + u) * 16 + 8 + t] = offset * h1;
       }
 }
 
@@ -775,17 +783,18 @@ void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_
                                               : K / 256 * GroupFormat<GFmt::Q6_K>::BYTES;
   Quantized z = quantize(x, B, K, road);
 #ifdef NANOSERVE_INT8_X86
-  if (road.layout == Layout::QUADS && B < KQUANT_TILED_ROWS && f != GFmt::Q5_0) {  // a few rows: krows_few
+  if (road.layout == Layout::QUADS && B < KQUANT_TILED_ROWS) {  // a few rows: krows_few
     thread_local std::vector<int8_t> xk;
     thread_local std::vector<int32_t> xh;
-    xk.resize(B * K);
-    xh.resize(B * K / 256 * 16);
+    xk.resize(B * few_supers(z.acts) * 256);
+    xh.resize(B * few_supers(z.acts) * 16);
     const int8_t* xkp = xk.data();  // this thread's buffers, read by every thread of torch's (each of a team has its own)
     const int32_t* xhp = xh.data();
     few_x(f, z.acts, B, xk.data(), xh.data());
     parallel_rows(team, N, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
       if (f == GFmt::Q4_K) avx512_vnni::krows_few<GFmt::Q4_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
-      else avx512_vnni::krows_few<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+      else if (f == GFmt::Q6_K) avx512_vnni::krows_few<GFmt::Q6_K>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
+      else avx512_vnni::krows_few<GFmt::Q5_0>(w, row_bytes, begin, end, z.acts, B, xkp, xhp, o, N);
     });
     return;
   }
@@ -998,8 +1007,20 @@ std::pair<const uint8_t*, int64_t> packed_share(const uint8_t* packed, bool q4_1
 
 void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K, const float* x, int64_t B, float* out,
                                Team* team) {
+  using int8q::GFmt;
   if (B > 0 && N > 0)
-    int8q::group_product(int8q::best(), kfmt == 1 ? int8q::GFmt::Q4_K : int8q::GFmt::Q6_K, w, N, K, x, B, out, team);
+    int8q::group_product(int8q::best(), kfmt == 1 ? GFmt::Q4_K : kfmt == 2 ? GFmt::Q6_K : GFmt::Q5_0, w, N, K, x, B, out,
+                         team);
+}
+
+// Whether B rows of x meet a Q5_0 weight's own blocks (krows_few: 22 bytes a block read) rather than its packed Q8_0
+// copy (34): on the AVX512-VNNI road, for one row of x, whose product is read-bound; from two rows the packed quads'
+// multiplies, four rows of x a quad, are the faster.
+bool int8_q5_0_blocks(int64_t B) { return int8q::best().layout == int8q::Layout::QUADS && B < 2; }
+
+std::pair<const uint8_t*, int64_t> blocks_share(const uint8_t* w, int64_t N, int64_t row_bytes, const Team& team) {
+  const auto [begin, end] = team.share(N, int8q::ROWS_PER_TASK);  // group_product's cut
+  return {w + begin * row_bytes, (end - begin) * row_bytes};
 }
 
 int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K) {
@@ -1659,6 +1680,43 @@ ROAD_FN void kunpack(const uint8_t* blk, __m512i w[4], __m256& sa, __m256& sb) {
   }
 }
 
+// Q5_0: n (1..8) blocks from blk -> their integers q = qw + 16 (0..31) as unsigned bytes, two blocks a register ([g0 |
+// g1] .. [g6 | g7], each block's 32 in position order: qs's low nibbles, then its high ones, bit 4 from qh, whose bit
+// j is position j's), zero past n; each block's d_w in sa's lanes.
+ROAD_FN void q5_unpack(const uint8_t* blk, int64_t n, __m512i w[4], __m256& sa) {
+  constexpr int64_t BYTES = GroupFormat<GFmt::Q5_0>::BYTES;
+  const __m512i low = _mm512_set1_epi8(15), sixteen = _mm512_set1_epi8(16);
+  const int64_t s = 0x0004000400040004;
+  const __m512i shift = _mm512_set_epi64(s, s, 0, 0, s, s, 0, 0);  // a block's second 16 bytes: the high nibbles
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; ++k) {
+    if (2 * k >= n) {
+      w[k] = _mm512_setzero_si512();
+      continue;
+    }
+    const uint8_t *b0 = blk + 2 * k * BYTES, *b1 = b0 + BYTES;
+    const bool two = 2 * k + 1 < n;
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0 + 6));
+    const __m128i q1 = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1 + 6)) : _mm_setzero_si128();
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_broadcastsi128_si256(q0)),
+                                         _mm256_broadcastsi128_si256(q1), 1);
+    uint32_t h0, h1 = 0;
+    std::memcpy(&h0, b0 + 2, 4);
+    if (two) std::memcpy(&h1, b1 + 2, 4);
+    const __m512i q = _mm512_and_si512(_mm512_srlv_epi16(v, shift), low);
+    w[k] = _mm512_mask_add_epi8(q, static_cast<__mmask64>(h0) | (static_cast<__mmask64>(h1) << 32), q, sixteen);
+  }
+  // the d_w into a register word by word (eight narrow stores read back as one would stall the load)
+  __m128i d = _mm_setzero_si128();
+#pragma GCC unroll 8
+  for (int g = 0; g < 8; ++g) {
+    uint16_t h = 0;
+    if (g < n) std::memcpy(&h, blk + g * BYTES, 2);
+    d = _mm_insert_epi16(d, h, g);
+  }
+  sa = _mm256_cvtph_ps(d);
+}
+
 // Four registers of vpdpbusd's sums (lanes 4h..4h + 3 of a 128-bit quarter: a group's half) -> the eight groups'
 // first halves (lanes 0-7) and second halves (8-15). Integer adds: exact in any order.
 template <GFmt F>
@@ -1669,12 +1727,13 @@ ROAD_FN __m512i khalves(const __m512i* p) {
   return _mm512_permutexvar_epi32(idx(KHALVES[F == GFmt::Q4_K ? 0 : 1]), h);
 }
 
-// Weight rows o0..o1 of Q4_K or Q6_K blocks against the B rows of x laid out by few_x (xk; xh: Q6_K's 32 x each
-// half's sum): out[r * N + o].
+// Weight rows o0..o1 of Q4_K, Q6_K or Q5_0 blocks (Q5_0: eight at a time, as a super-block) against the B rows of
+// x laid out by few_x (xk; xh: Q6_K's 32, Q5_0's 16 x each half's sum): out[r * N + o]. Group g's c goes to lane
+// g % 16, as in every road.
 template <GFmt F>
 ROAD_FN void krows_few(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t o1, const Acts& a, int64_t B,
                        const int8_t* xk, const int32_t* xh, float* out, int64_t N) {
-  const int64_t supers = a.nb / 8, K = a.nb * QK;
+  const int64_t supers = few_supers(a), K = supers * 256;
   for (int64_t o = o0; o < o1; ++o) {
     const uint8_t* row = w + o * row_bytes;
     for (int64_t r0 = 0; r0 < B; r0 += GTILE) {
@@ -1683,8 +1742,10 @@ ROAD_FN void krows_few(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t 
       for (int r = 0; r < GTILE; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
       for (int64_t u = 0; u < supers; ++u) {
         __m512i wv[4];
-        __m256 sa, sb;
-        kunpack<F>(row + u * GroupFormat<F>::BYTES, wv, sa, sb);
+        __m256 sa, sb = _mm256_setzero_ps();
+        const int64_t n = std::min<int64_t>(8, a.nb - 8 * u);  // groups in this super-block (Q5_0's last: fewer)
+        if constexpr (F == GFmt::Q5_0) q5_unpack(row + 8 * u * GroupFormat<F>::BYTES, n, wv, sa);
+        else kunpack<F>(row + u * GroupFormat<F>::BYTES, wv, sa, sb);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = xk + (r0 + r) * K + u * 256;
           __m512i p[4];
@@ -1692,12 +1753,13 @@ ROAD_FN void krows_few(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_t 
           for (int k = 0; k < 4; ++k)
             p[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[k], _mm512_loadu_si512(x + 64 * k));
           __m512i sums = khalves<F>(p);
-          if constexpr (F == GFmt::Q6_K)
+          if constexpr (F != GFmt::Q4_K)
             sums = _mm512_sub_epi32(sums, _mm512_loadu_si512(xh + ((r0 + r) * supers + u) * 16));
           const __m256i i0 = _mm512_castsi512_si256(sums), i1 = _mm512_extracti64x4_epi64(sums, 1);
           const int64_t at = (r0 + r) * a.ld + 8 * u;
-          const __m256 c = group_c8<F>(sa, sb, _mm256_loadu_ps(a.d + at), a.ds + at, i0, i1);
-          acc[r][u % 2] = _mm256_add_ps(acc[r][u % 2], c);
+          const __mmask8 real = static_cast<__mmask8>((1u << n) - 1);
+          const __m256 c = group_c8<F>(sa, sb, _mm256_maskz_loadu_ps(real, a.d + at), a.ds + at, i0, i1);
+          acc[r][u % 2] = _mm256_mask_add_ps(acc[r][u % 2], real, acc[r][u % 2], c);
         }
       }
       alignas(32) float lanes[GROUP];

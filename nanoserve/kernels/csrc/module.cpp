@@ -41,6 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_road", &int8_road, "the road block_linear_int8 takes on this CPU");
   m.def("int8_roads", &int8_roads, "every road block_linear_int8 can take on this CPU, best first");
   m.def("int8_tiled_rows", &int8_tiled_rows, "rows of x from which the AVX512-VNNI road multiplies tiles");
+  m.def("int8_q5_0_blocks", &int8_q5_0_blocks, "whether B rows of x meet a Q5_0 weight's own blocks, not its Q8_0 copy");
   m.def("peak_roads", &peak_roads, "(format, road) of each compute-peak loop this CPU can run, best road first");
   m.def("peak_ops", &peak_ops, nogil, "one run of a format's multiply-add loop on every torch thread: operations done");
   // module_local: two builds of these kernels may be loaded in one process (a build compared with another)

@@ -110,9 +110,13 @@ void block_product_int8(const uint8_t* w, bool q4_1, int64_t N, int64_t K, const
                         Team* team = nullptr);
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
                                float* out, Team* team = nullptr);
-// Q4_K (kfmt 1) or Q6_K (kfmt 2) blocks on int8 activations: block_linear_int8's product on raw numbers.
+// Q4_K (kfmt 1), Q6_K (kfmt 2) or Q5_0 (kfmt -1) blocks on int8 activations: block_linear_int8's product on raw numbers.
 void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K, const float* x, int64_t B, float* out,
                                Team* team = nullptr);
+// Whether B rows of x multiply a Q5_0 weight from its own blocks (block_product_int8_kquant, kfmt -1) rather than its
+// packed Q8_0 copy, and this thread's share of a weight's rows' bytes in that product (team.sync's `ahead`).
+bool int8_q5_0_blocks(int64_t B);
+std::pair<const uint8_t*, int64_t> blocks_share(const uint8_t* w, int64_t N, int64_t row_bytes, const Team& team);
 // The bytes of a weight of N rows of K inputs in pack_blocks_int8's layout.
 int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K);
 // The packed bytes a team thread's share of that product reads (where it starts, how many).

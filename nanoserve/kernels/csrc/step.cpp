@@ -99,7 +99,7 @@ BlockModel::BlockModel(torch::Tensor embed, std::string embed_fmt, std::vector<t
                   " inputs as ", fmt, "), got ", t.scalar_type(), " ", t.sizes());
       keep_.push_back(t);
       Matrix m{t.data_ptr<uint8_t>(), false, t.size(0), cols, false, nullptr};
-      m.kquant = fmt == "q4_k" ? 1 : fmt == "q6_k" ? 2 : -1;  // -1: Q5_0, read from its packed copy only
+      m.kquant = fmt == "q4_k" ? 1 : fmt == "q6_k" ? 2 : -1;  // -1: Q5_0, its packed copy read from the tiles' rows
       return m;
     }
     const int64_t bytes = block_bytes(fmt, what, i);
@@ -338,7 +338,8 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   };
   auto product = [](const Matrix& w, const float* x, int64_t rows, float* out, Team* team) {
     if (w.tiles) fp32_product(w.tiles, w.rows / TILE, w.cols, x, rows, out, team);
-    else if (w.kquant > 0) block_product_int8_kquant(w.blocks, w.kquant, w.rows, w.cols, x, rows, out, team);
+    else if (w.kquant > 0 || (w.kquant < 0 && int8_q5_0_blocks(rows)))  // Q5_0: its own blocks where they pay
+      block_product_int8_kquant(w.blocks, w.kquant, w.rows, w.cols, x, rows, out, team);
     else if (w.packed) block_product_int8_packed(w.packed, w.q4_1, w.rows, w.cols, x, rows, out, team);
     else if (w.int8) block_product_int8(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
     else block_product(w.blocks, w.q4_1, w.rows, w.cols, x, rows, out, team);
@@ -346,8 +347,12 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   // The layers and the head, on one thread's part of the work: the whole of it without a team.
   const auto run = [&](Team* team) {
     const int64_t t = team ? team->tid : 0;
-    const auto sync = [team](const Matrix& next) {  // the team's threads meet; each asks for its next packed bytes
+    const auto sync = [team, n](const Matrix& next) {  // the team's threads meet; each asks for its next packed bytes
       if (!team) return;
+      if (next.kquant < 0 && int8_q5_0_blocks(n)) {  // a Q5_0 weight read from its own blocks (22 bytes a block)
+        const auto [at, bytes] = blocks_share(next.blocks, next.rows, next.cols / 32 * 22, *team);
+        return team->sync(at, bytes);
+      }
       if (!next.packed) return team->sync();
       const auto [at, bytes] = packed_share(next.packed, next.q4_1, next.rows, next.cols, *team);
       team->sync(at, bytes);
