@@ -39,16 +39,22 @@ def add_cli_arguments(ap: argparse.ArgumentParser, weights: str = "fp32", gguf: 
         ap.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=kv_help)
 
 
+def one_kv(args: argparse.Namespace) -> str:
+    """The K/V cache dtype the flags ask for: a bench's several (`several_kv`) are each a run's, the first here."""
+    kv = args.kv_cache_dtype
+    return kv[0] if isinstance(kv, list) else kv
+
+
 def from_cli(args: argparse.Namespace) -> tuple[Llama, Tokenizer]:
     """`load` as `add_cli_arguments`' flags ask."""
     return load(args.model, dtype=args.dtype, weights=args.weights, gguf=getattr(args, "gguf", None),
-                activations=args.activations, kv_cache_dtype=args.kv_cache_dtype)
+                activations=args.activations, kv_cache_dtype=one_kv(args))
 
 
 def cli_argv(args: argparse.Namespace) -> list[str]:
     """The flags that load the same model in another process (a `serve` a bench starts)."""
     out = ["--weights", args.weights, "--dtype", args.dtype, "--activations", args.activations,
-           "--kv-cache-dtype", args.kv_cache_dtype]
+           "--kv-cache-dtype", one_kv(args)]
     return out + (["--model", str(args.model)] if args.model else [])
 
 

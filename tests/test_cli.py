@@ -110,11 +110,14 @@ def test_a_bench_hands_its_server_the_same_model_flags():
     """`bench arrivals` starts `serve` with `loader.cli_argv`: the server must load the model the bench was asked
     for (its numbers format included), or a comparison would measure another model than it names."""
     from nanoserve import loader
+    from nanoserve.bench import arrivals
 
     fields = ("model", "weights", "dtype", "activations", "kv_cache_dtype")
     for asked in (["--weights", "gguf", "--activations", "int8", "--kv-cache-dtype", "bfloat16", "--model", "/m"],
-                  ["--dtype", "bfloat16"], []):
+                  ["--kv-cache-dtype", "auto", "bfloat16"], ["--dtype", "bfloat16"], []):
         bench = build_parser().parse_args(["bench", "arrivals", *asked])
-        serve = build_parser().parse_args(["serve", *loader.cli_argv(bench)])
-        assert {f: getattr(serve, f) for f in fields} == {f: getattr(bench, f) for f in fields}
+        for kv in bench.kv_cache_dtype:  # a run per K/V cache dtype, each server with its own
+            serve = build_parser().parse_args(["serve", *loader.cli_argv(arrivals.with_kv(bench, kv))])
+            assert {f: getattr(serve, f) for f in fields} == {f: getattr(bench, f) for f in fields} | {
+                "kv_cache_dtype": kv}
     assert build_parser().parse_args(["bench", "shared"]).weights == "gguf"  # each bench keeps its own default

@@ -172,6 +172,11 @@ def peer_runs(systems: Sequence[str], slots: Sequence[int] | None) -> list[tuple
     return runs
 
 
+def with_kv(args: argparse.Namespace, kv: str) -> argparse.Namespace:
+    """The command's flags with one K/V cache dtype: a run's (its engine's model, its server's command line)."""
+    return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
+
+
 def kv_runs(system: str, label: str, kv_dtypes: Sequence[str]) -> list[tuple[str, str]]:
     """(label, K/V cache dtype) of each run of a system: nanoserve once per --kv-cache-dtype (a bf16 cache labelled
     `... kv-bf16`), a peer once, with its own cache."""
@@ -305,11 +310,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         return 0
     kv_dtypes = list(dict.fromkeys(args.kv_cache_dtype))
     start(args, model=False)
-
-    def with_kv(kv: str) -> argparse.Namespace:  # the command's flags with one K/V cache dtype
-        return argparse.Namespace(**{**vars(args), "kv_cache_dtype": kv})
-
-    models = {kv_dtypes[0]: loader.from_cli(with_kv(kv_dtypes[0]))}  # the others loaded when an engine run needs one
+    models = {kv_dtypes[0]: loader.from_cli(with_kv(args, kv_dtypes[0]))}  # the others when an engine run needs one
     tok = models[kv_dtypes[0]][1]
     slo, config = SLO(args.slo_ttft, args.slo_tpot), engine_config(args)
     w = WORKLOADS[args.workload](tok, args.requests, seed=args.seed)
@@ -334,11 +335,12 @@ def run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     replays: list[Replay] = []
     runs = [(system, run, parallel, kv) for system, label, parallel in peer_runs(systems, slots)
             for kv_label, kv in kv_runs(system, label, kv_dtypes)
-            for run in budget_runs(system, kv_label, config, engine_argv(args) + loader.cli_argv(with_kv(kv)) + threads,
-                                   args.slo_budget, slo)]
+            for run in budget_runs(system, kv_label, config,
+                                   engine_argv(args) + loader.cli_argv(with_kv(args, kv)) + threads, args.slo_budget,
+                                   slo)]
     for system, (label, run_config, run_options), parallel, kv in runs:
         if system == "nanoserve-engine" and kv not in models:
-            models[kv] = loader.from_cli(with_kv(kv))
+            models[kv] = loader.from_cli(with_kv(args, kv))
         model = models.get(kv, models[kv_dtypes[0]])[0]  # a server loads its own
         if replays:  # what is done so far is kept, should a later system fail or be stopped
             write_csvs(args.out, replays, w, slo, meta)
