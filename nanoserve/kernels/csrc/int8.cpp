@@ -15,7 +15,8 @@
 // then out = (u0 + u2) + (u1 + u3), u_j = t_j + t_{j+4}, t_j = acc[j] + acc[j + 8]. (llama.cpp scales each block's
 // integer sum the same way, with fp16 d; its order of fp32 adds is its own.)
 // Q5_0, Q4_K and Q6_K take the same steps group of 32 by group, with their own scales (see group_rows_scalar); on
-// AVX512-VNNI a few rows of x meet Q4_K and Q6_K super-blocks unpacked in registers as they lie (krows_few).
+// AVX512-VNNI a few rows of x meet Q4_K and Q6_K super-blocks unpacked in registers as they lie (krows_few), and
+// one row of x (a read-bound batch-1 step) Q5_0's blocks, eight at a time, where more rows read its packed Q8_0 copy.
 //
 // Sixteen lanes so that the fp32 work is vector work: the integer sums of sixteen blocks are gathered into one
 // register (AVX-512: a quad of 4 blocks of each of four weight rows; AVX2: 8 blocks of one row) and scaled there.
