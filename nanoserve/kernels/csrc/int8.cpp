@@ -72,6 +72,7 @@ constexpr int64_t GROUPS_PER_TASK = ROWS_PER_TASK / 4;  // a packed product's ta
 constexpr int64_t TILED_ROWS = 32;
 constexpr int64_t KQUANT_TILED_ROWS = 32;
 constexpr int64_t TILE_ROWS = 48;  // weight rows a tile holds (three groups of 16): a tiled product's task
+constexpr int64_t NEXT_TILES = 2;   // tasks after its own whose weights a tiled task asks for while it multiplies
 
 constexpr int64_t K8_BYTES = 40;    // fp32 a, fp32 b, 32 signed bytes: a K-quant group as the 256-bit roads pack it
 
@@ -1534,7 +1535,8 @@ ROAD_FN __mmask16 quad_lanes(int64_t left) { return static_cast<__mmask16>(0x111
 // transposed): build(g, quads) unpacks the four rows 4g..4g + 3 into quads (its format's unpacker), which are turned
 // into the tile once; then every TILE_X rows of x pass over it. out[r * N + o].
 template <int MODE, class Build>
-ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build) {
+ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build,
+                        const uint8_t* next = nullptr, int64_t next_bytes = 0) {
   const int64_t quads = (a.nb + 3) / 4, gstride = a.nb * TILE_BLOCK, groups = (o1 - o0 + 15) / 16;
   uint8_t* tile = tile_buffer(TILE_ROWS / 16 * gstride + 4 * quads * TILE_QUAD);
   uint8_t* unpacked = tile + TILE_ROWS / 16 * gstride;
@@ -1552,9 +1554,12 @@ ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float*
       quads_to_rows(qt, std::min<int64_t>(4, a.nb - 4 * t), tile + n * gstride + 4 * t * TILE_BLOCK);
     }
   }
-  for (int64_t r0 = 0; r0 < B; r0 += TILE_X)
+  const int64_t passes = (B + TILE_X - 1) / TILE_X, per_pass = (next_bytes / passes + 63) / 64 * 64;
+  for (int64_t r0 = 0, ahead = 0; r0 < B; r0 += TILE_X) {
+    for (int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64) _mm_prefetch(next + ahead, _MM_HINT_T1);
     orows<MODE>(static_cast<int>(std::min<int64_t>(TILE_X, B - r0)), static_cast<int>(groups), tile, gstride, a, r0,
                 out + r0 * N + o0, N, o1 - o0);
+  }
 }
 
 // Weight rows o0..o1 (a task: o0 a multiple of 16, at most TILE_ROWS) of a packed weight of N rows (Q4_1, Q8_0)
@@ -1569,7 +1574,7 @@ ROAD_FN void rows_tiled(const uint8_t* packed, int64_t row_bytes, int64_t o0, in
       if (t < quads - 1 || left == 4) tile_quad<F, true>(p, 4, tile + t * TILE_QUAD);
       else tile_quad<F, false>(p, left, tile + t * TILE_QUAD);
     }
-  });
+  }, packed + o1 * row_bytes, (std::min(N, o1 + NEXT_TILES * TILE_ROWS) - std::min(N, o1)) * row_bytes);
 }
 
 // The K-quants' unpacker: weight rows o..o + 3 of Q4_K or Q6_K blocks (`rows` of them real; a missing row repeats
@@ -1627,7 +1632,7 @@ ROAD_FN void krows_tiled(const uint8_t* w, int64_t row_bytes, int64_t o0, int64_
   constexpr int MODE = F == GFmt::Q6_K ? HALVES : F == GFmt::Q4_K ? M : PLAIN;
   tiled_rows<MODE>(o0, o1, a, B, out, N, [&](int64_t g, uint8_t* tile) {
     ktile<F>(w + 4 * g * row_bytes, row_bytes, static_cast<int>(std::min<int64_t>(4, N - 4 * g)), a.nb, tile);
-  });
+  }, w + o1 * row_bytes, (std::min(N, o1 + NEXT_TILES * TILE_ROWS) - std::min(N, o1)) * row_bytes);
 }
 
 // ---- The K-quants against a few rows of x (fewer than KQUANT_TILED_ROWS: a decode step). A super-block's eight groups are
