@@ -1020,7 +1020,8 @@ void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K,
 // multiplies, four rows of x a quad, are the faster.
 bool int8_q5_0_blocks(int64_t B) { return int8q::best().layout == int8q::Layout::QUADS && B < 2; }
 
-std::pair<const uint8_t*, int64_t> blocks_share(const uint8_t* w, int64_t N, int64_t row_bytes, const Team& team) {
+std::pair<const uint8_t*, int64_t> q5_0_share(const uint8_t* w, int64_t N, int64_t K, const Team& team) {
+  const int64_t row_bytes = K / int8q::QK * int8q::GroupFormat<int8q::GFmt::Q5_0>::BYTES;
   const auto [begin, end] = team.share(N, int8q::ROWS_PER_TASK);  // group_product's cut
   return {w + begin * row_bytes, (end - begin) * row_bytes};
 }

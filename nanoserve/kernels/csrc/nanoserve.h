@@ -116,7 +116,7 @@ void block_product_int8_kquant(const uint8_t* w, int kfmt, int64_t N, int64_t K,
 // Whether B rows of x multiply a Q5_0 weight from its own blocks (block_product_int8_kquant, kfmt -1) rather than its
 // packed Q8_0 copy, and this thread's share of a weight's rows' bytes in that product (team.sync's `ahead`).
 bool int8_q5_0_blocks(int64_t B);
-std::pair<const uint8_t*, int64_t> blocks_share(const uint8_t* w, int64_t N, int64_t row_bytes, const Team& team);
+std::pair<const uint8_t*, int64_t> q5_0_share(const uint8_t* w, int64_t N, int64_t K, const Team& team);
 // The bytes of a weight of N rows of K inputs in pack_blocks_int8's layout.
 int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K);
 // The packed bytes a team thread's share of that product reads (where it starts, how many).

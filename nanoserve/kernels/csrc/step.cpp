@@ -349,8 +349,8 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
     const int64_t t = team ? team->tid : 0;
     const auto sync = [team, n](const Matrix& next) {  // the team's threads meet; each asks for its next packed bytes
       if (!team) return;
-      if (next.kquant < 0 && int8_q5_0_blocks(n)) {  // a Q5_0 weight read from its own blocks (22 bytes a block)
-        const auto [at, bytes] = blocks_share(next.blocks, next.rows, next.cols / 32 * 22, *team);
+      if (next.kquant < 0 && int8_q5_0_blocks(n)) {  // a Q5_0 weight read from its own blocks
+        const auto [at, bytes] = q5_0_share(next.blocks, next.rows, next.cols, *team);
         return team->sync(at, bytes);
       }
       if (!next.packed) return team->sync();
