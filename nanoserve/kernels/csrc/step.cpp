@@ -347,6 +347,13 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
   // The layers and the head, on one thread's part of the work: the whole of it without a team.
   const auto run = [&](Team* team) {
     const int64_t t = team ? team->tid : 0;
+    // f(i0, i1) over the rows 0..n of the work between products: without a team (a step of many rows) on torch's
+    // threads, so that one thread does not do it while the others wait; in a team each thread does all of it on
+    // its own copy. Each row's loops are the same however the rows are cut: the same bits.
+    const auto rows = [team, n](const auto& f) {
+      if (team == nullptr && n >= 2 * ROW_GRAIN) at::parallel_for(0, n, ROW_GRAIN, f);
+      else f(0, n);
+    };
     const auto sync = [team, n](const Matrix& next) {  // the team's threads meet; each asks for its next packed bytes
       if (!team) return;
       if (next.kquant < 0 && int8_q5_0_blocks(n)) {  // a Q5_0 weight read from its own blocks
@@ -367,45 +374,53 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
       const Matrix* w = &mats_[4 * layer];
       // attention: x + wo(attend(rope(q), rope(k), v)), with this step's k/v written into their slots first
       if (bf16_) {  // a bf16 model's product: its input narrowed to bf16 (by the norm), its bf16 output widened
-        add_rms_norm_rows_bf16(xs, nullptr, norms_[2 * layer], n, C, eps_, nullptr, hb);
+        rows([&](int64_t i0, int64_t i1) {
+          add_rms_norm_rows_bf16(xs + i0 * C, nullptr, norms_[2 * layer], i1 - i0, C, eps_, nullptr, hb + i0 * C);
+        });
         bf16_product(w[0], hb, n, ob, team);
         sync(w[1]);
-        widen_bf16_row(ob, n * HT * D, qkv);
+        rows([&](int64_t i0, int64_t i1) { widen_bf16_row(ob + i0 * HT * D, (i1 - i0) * HT * D, qkv + i0 * HT * D); });
       } else {
-        add_rms_norm_rows(xs, nullptr, norms_[(gemma_ ? 6 : 2) * layer], n, C, eps_, nullptr, hp);
+        rows([&](int64_t i0, int64_t i1) {
+          add_rms_norm_rows(xs + i0 * C, nullptr, norms_[(gemma_ ? 6 : 2) * layer], i1 - i0, C, eps_, nullptr,
+                            hp + i0 * C);
+        });
         product(w[0], hp, n, qkvp, team);
         if (team) {  // each thread ropes its own copy
           sync(w[1]);
           std::memcpy(qkv, qkvp, n * HT * D * sizeof(float));
         }
       }
-      if (gemma_)  // QK-norm: each token's q heads, then its k heads, normed as rows of D in place
-        for (int64_t i = 0; i < n; ++i) {
-          float* row = qkv + i * HT * D;
-          add_rms_norm_rows(row, nullptr, norms_[6 * layer + 4], H, D, eps_, nullptr, row);
-          add_rms_norm_rows(row + H * D, nullptr, norms_[6 * layer + 5], K, D, eps_, nullptr, row + H * D);
-        }
       const bool local = gemma_ && windows_[layer] > 0;  // a sliding layer: its own rotation speeds
-      rope_rows(qkv, local ? clp : cp, local ? slp : sp, n, HT, H + K, D);
       const int64_t* slot = slot_of[layer];
-      if (kv_bf16_) round_bf16_(qkv, n * HT * D);  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
       const int64_t layer_bytes = pool_of[layer] * k_cache.stride(0) * k_cache.element_size();
       void* kp = static_cast<char*>(k_cache.data_ptr()) + layer_bytes;
       void* vp = static_cast<char*>(v_cache.data_ptr()) + layer_bytes;
-      for (int64_t i = 0; i < n; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
-        const float* row = qkv + i * HT * D;
-        std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
-        if (t > 0) continue;  // thread 0 writes the step's k/v
-        if (kv_bf16_) {  // already bf16 numbers: narrowing keeps them exactly
-          for (int64_t j = 0; j < width; ++j) {
-            static_cast<uint16_t*>(kp)[slot[i] * width + j] = narrow_bf16(row[H * D + j]);
-            static_cast<uint16_t*>(vp)[slot[i] * width + j] = narrow_bf16(row[(H + K) * D + j]);
+      rows([&](int64_t i0, int64_t i1) {
+        if (gemma_)  // QK-norm: each token's q heads, then its k heads, normed as rows of D in place
+          for (int64_t i = i0; i < i1; ++i) {
+            float* row = qkv + i * HT * D;
+            add_rms_norm_rows(row, nullptr, norms_[6 * layer + 4], H, D, eps_, nullptr, row);
+            add_rms_norm_rows(row + H * D, nullptr, norms_[6 * layer + 5], K, D, eps_, nullptr, row + H * D);
           }
-        } else {
-          std::memcpy(static_cast<float*>(kp) + slot[i] * width, row + H * D, width * sizeof(float));
-          std::memcpy(static_cast<float*>(vp) + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+        rope_rows(qkv + i0 * HT * D, (local ? clp : cp) + i0 * D, (local ? slp : sp) + i0 * D, i1 - i0, HT, H + K, D);
+        if (kv_bf16_)  // q, k and v as a bf16 cache holds them (rope_qk's round_to)
+          round_bf16_(qkv + i0 * HT * D, (i1 - i0) * HT * D);
+        for (int64_t i = i0; i < i1; ++i) {  // row i of qkv: H q heads, then K k heads, then K v heads
+          const float* row = qkv + i * HT * D;
+          std::memcpy(qp + i * H * D, row, H * D * sizeof(float));
+          if (t > 0) continue;  // thread 0 writes the step's k/v
+          if (kv_bf16_) {  // already bf16 numbers: narrowing keeps them exactly
+            for (int64_t j = 0; j < width; ++j) {
+              static_cast<uint16_t*>(kp)[slot[i] * width + j] = narrow_bf16(row[H * D + j]);
+              static_cast<uint16_t*>(vp)[slot[i] * width + j] = narrow_bf16(row[(H + K) * D + j]);
+            }
+          } else {
+            std::memcpy(static_cast<float*>(kp) + slot[i] * width, row + H * D, width * sizeof(float));
+            std::memcpy(static_cast<float*>(vp) + slot[i] * width, row + (H + K) * D, width * sizeof(float));
+          }
         }
-      }
+      });
       sync(w[1]);
       if (prompts && (team == nullptr || team->tid == 0)) {  // q, k, v of each whole prompt as rows of qkv
         const auto view = [&](int64_t r, int64_t col, int64_t heads) {
@@ -424,22 +439,29 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
       sync(w[1]);
       const float* mlp_out = op;
       if (bf16_) {  // the same, each product's bf16 output where the fp32 road has its float one
-        narrow_bf16_row(attnp, n * H * D, hb);
+        rows([&](int64_t i0, int64_t i1) { narrow_bf16_row(attnp + i0 * H * D, (i1 - i0) * H * D, hb + i0 * H * D); });
         bf16_product(w[1], hb, n, ob, team);
         sync(w[2]);
-        add_rms_norm_rows_bf16(xs, ob, norms_[2 * layer + 1], n, C, eps_, x2, hb);
+        rows([&](int64_t i0, int64_t i1) {
+          add_rms_norm_rows_bf16(xs + i0 * C, ob + i0 * C, norms_[2 * layer + 1], i1 - i0, C, eps_, x2 + i0 * C,
+                                 hb + i0 * C);
+        });
         bf16_product(w[2], hb, n, ob2, team);
         sync(w[3]);
         silu_mul_rows_bf16(ob2, n, I, hb);
         bf16_product(w[3], hb, n, ob3, team);  // not ob: the next layer's qkv goes there while this is read
         sync(w[4]);
-        widen_bf16_row(ob3, n * C, hp);  // each thread widens it for itself
+        rows([&](int64_t i0, int64_t i1) { widen_bf16_row(ob3 + i0 * C, (i1 - i0) * C, hp + i0 * C); });  // (each thread its own)
         mlp_out = hp;
       } else {  // (Gemma3Block.forward: each sublayer's output normed before its residual add; GeGLU)
         product(w[1], attnp, n, op, team);
         sync(w[2]);
-        if (gemma_) add_rms_norm_rows(op, nullptr, norms_[6 * layer + 1], n, C, eps_, nullptr, hp);
-        add_rms_norm_rows(xs, gemma_ ? hp : op, norms_[gemma_ ? 6 * layer + 2 : 2 * layer + 1], n, C, eps_, x2, hp);
+        rows([&](int64_t i0, int64_t i1) {
+          const int64_t m = i1 - i0, at = i0 * C;
+          if (gemma_) add_rms_norm_rows(op + at, nullptr, norms_[6 * layer + 1], m, C, eps_, nullptr, hp + at);
+          add_rms_norm_rows(xs + at, (gemma_ ? hp : op) + at, norms_[gemma_ ? 6 * layer + 2 : 2 * layer + 1], m, C,
+                            eps_, x2 + at, hp + at);
+        });
         // the MLP: x + w_down(silu(gate) * up)
         product(w[2], hp, n, gup, team);
         sync(w[3]);
@@ -448,11 +470,15 @@ std::tuple<torch::Tensor, torch::Tensor> BlockModel::step(
         product(w[3], ap, n, op, team);
         sync(w[4]);
         if (gemma_) {
-          add_rms_norm_rows(op, nullptr, norms_[6 * layer + 3], n, C, eps_, nullptr, hp);
+          rows([&](int64_t i0, int64_t i1) {
+            add_rms_norm_rows(op + i0 * C, nullptr, norms_[6 * layer + 3], i1 - i0, C, eps_, nullptr, hp + i0 * C);
+          });
           mlp_out = hp;
         }
       }
-      for (int64_t j = 0; j < n * C; ++j) xs[j] = x2[j] + mlp_out[j];
+      rows([&](int64_t i0, int64_t i1) {
+        for (int64_t j = i0 * C; j < i1 * C; ++j) xs[j] = x2[j] + mlp_out[j];
+      });
     }
     add_rms_norm_rows(xs, nullptr, norms_[(gemma_ ? 6 : 2) * L_], n, C, eps_, nullptr, hp);
     for (int64_t r = 0; r < R; ++r) std::memcpy(rowsp + r * C, hp + last[r] * C, C * sizeof(float));
