@@ -55,9 +55,10 @@ def ggml_q8_1_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def test_activations_are_rounded_as_ggml_rounds_them(ext):
-    x = activations(6, 256, seed=1)
+    x = activations(6, 1056, seed=1)  # 33 blocks a row
     x[0, :32] = torch.arange(-16, 16) + 0.5  # max 15.5: d = 15.5 / 127, and x * (1 / d) lands near halves
     x[1, :32] = torch.tensor([127.0] + [-126.5, 2.5, -3.5, 0.5, -0.5] + [0.0] * 26)  # d = 1: exact halves
+    x[2:4, 544:576], x[4:6, 1024:] = x[0:2, :32], x[0:2, :32]  # the same blocks mid-row and last
     q, d, s = int8.quantize_activations(x)
     want_q, want_d, want_s = ggml_q8_1_ref(x.numpy())
     assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d) and np.array_equal(s.numpy(), want_s)
@@ -68,17 +69,21 @@ def test_activations_are_rounded_as_ggml_rounds_them(ext):
 
 
 def test_zero_tiny_and_non_finite_blocks(ext):
-    x = torch.randn(4, 128)
+    x = torch.randn(4, 1024)
     x[0, :32] = 0  # d = 0, q = 0
     x[1, 32:64] = 1e-40  # d below FLT_MIN: q = 0 (its 1 / d would overflow)
     x[2, 64] = float("nan")
     x[3, 100] = float("inf")
+    x[0, 544:576], x[1, 512:544] = 0, 1e-40  # zero and tiny blocks mid-row among finite ones
     q, d, s = int8.quantize_activations(x)
     assert d[0, 0] == 0 and not q[0, :32].any() and s[0, 0] == 0
     assert 0 < d[1, 1] < torch.finfo(torch.float32).tiny and not q[1, 32:64].any()
     assert d[2, 2].isnan() and d[3, 3].isnan() and not q[2, 64:96].any() and not q[3, 96:128].any()
     assert d[:, :2].isfinite().all() and d[0].isfinite().all()
-    blocks, _ = blocks_for(9, 128, "q4_1", seed=2)
+    for road in ext.int8_roads():  # each road's own quantizer: the same numbers, NaN where the reference has it
+        for mine, ref in zip(ext.quantize_activations_int8(x, road), (q, d, s), strict=True):
+            assert torch.equal(mine, ref) or torch.allclose(mine, ref, rtol=0, atol=0, equal_nan=True), road
+    blocks, _ = blocks_for(9, 1024, "q4_1", seed=2)
     want = int8.block_linear_int8_reference(x, blocks, "q4_1")
     assert want[2:].isnan().all() and want[:2].isfinite().all()  # a non-finite activation: its row is NaN
     for road in ext.int8_roads():
