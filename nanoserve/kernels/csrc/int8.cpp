@@ -1534,7 +1534,8 @@ ROAD_FN __mmask16 quad_lanes(int64_t left) { return static_cast<__mmask16>(0x111
 
 // Weight rows o0..o1 (o0 a multiple of TILE_ROWS; o1 - o0 <= TILE_ROWS) against all B rows of x (q + 128, quads
 // transposed): build(g, quads) unpacks the four rows 4g..4g + 3 into quads (its format's unpacker), which are turned
-// into the tile once; then every TILE_X rows of x pass over it. out[r * N + o].
+// into the tile once; then every TILE_X rows of x pass over it. out[r * N + o]. `next`: the next_bytes of weights the
+// tasks after this one unpack, asked for into L2 a share before each pass, so that the multiplies hide their reads.
 template <int MODE, class Build>
 ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float* out, int64_t N, const Build& build,
                         const uint8_t* next = nullptr, int64_t next_bytes = 0) {
@@ -1557,7 +1558,8 @@ ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float*
   }
   const int64_t passes = (B + TILE_X - 1) / TILE_X, per_pass = (next_bytes / passes + 63) / 64 * 64;
   for (int64_t r0 = 0, ahead = 0; r0 < B; r0 += TILE_X) {
-    for (int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64) _mm_prefetch(next + ahead, _MM_HINT_T1);
+    for (const int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64)
+      _mm_prefetch(next + ahead, _MM_HINT_T1);
     orows<MODE>(static_cast<int>(std::min<int64_t>(TILE_X, B - r0)), static_cast<int>(groups), tile, gstride, a, r0,
                 out + r0 * N + o0, N, o1 - o0);
   }
