@@ -180,7 +180,7 @@ class BlockModel {
   bool gemma_ = false;           // Gemma 3's layer: four norms a layer and QK-norm, GeGLU, windows
   std::vector<int64_t> windows_;  // (gemma_) each layer's sliding window, 0 for none
   float embed_scale_ = 1.0f;     // (gemma_) the embedding rows' scale, sqrt(hidden)
-  static constexpr int64_t TEAM_ROWS = 8;  // a step of at most this many rows runs as one Team (decode steps)
+  static constexpr int64_t TEAM_ROWS = 32;  // a step of at most this many rows runs as one Team (decode steps)
   static constexpr int64_t ROW_GRAIN = 8;  // rows a thread takes at least of the work between products, without a team
   static constexpr int64_t KEPT_SCRATCH_BYTES = 8 << 20;  // a step's buffers up to this size stay for the next
   torch::Tensor scratch_ = torch::empty({0});
