@@ -329,9 +329,13 @@ void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* a
   const int64_t tiled = DV ? n / LANES * LANES : 0;  // keys reduced LANES at a time; the rest one by one (dot)
   thread_local std::vector<vec> sums;  // (head, key of the tile): running sums
   if (static_cast<int64_t>(sums.size()) < heads * LANES) sums.resize(heads * LANES);
+  // a key's numbers for the kv heads read: `lines` cache lines from kd + at[l] + g0 * D (its values' likewise)
+  const int64_t lines = ((g1 - g0) * D * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  const char* const k_from = reinterpret_cast<const char*>(kd + g0 * D);
+  const char* const v_from = reinterpret_cast<const char*>(vd + g0 * D);
   if (fetch)
     for (int64_t l = 0; l < std::min<int64_t>(AHEAD, n); ++l)
-      for (int64_t d = g0 * D; d < g1 * D; d += 16) __builtin_prefetch(kd + at[l] + d);
+      for (int64_t i = 0; i < lines; ++i) __builtin_prefetch(k_from + at[l] * static_cast<int64_t>(sizeof(T)) + 64 * i);
   // one key's running sums for every head: its kv heads' numbers loaded once each (DV registers), then each
   // query head that shares one multiplies them, in dot's order (lane j: q_j k_j + q_{j+LANES} k_{j+LANES} + ...)
   const auto key_sums = [&](auto dv, int64_t l) {
@@ -349,12 +353,19 @@ void decode_scores(const float* qrow, const T* kd, const T* vd, const int64_t* a
     }
   };
   const auto keys = [&](auto dv) {
+    // the asking loop's bounds and bases as locals: read through the lambda's references, they were loaded
+    // again on every turn of it, a visible part of a decode row's time
+    const int64_t* const slots = at;
+    const char* const kb = k_from;
+    const char* const vb = v_from;
+    const int64_t last = n - 1, span = lines;
     for (int64_t l = 0; l < n; ++l) {
       if (fetch) {
-        const T* ahead = kd + at[std::min<int64_t>(l + AHEAD, n - 1)];
-        for (int64_t d = g0 * D; d < g1 * D; d += 16) {
-          __builtin_prefetch(ahead + d);
-          __builtin_prefetch(vd + at[l] + d, 0, 2);
+        const char* ka = kb + slots[std::min<int64_t>(l + AHEAD, last)] * static_cast<int64_t>(sizeof(T));
+        const char* va = vb + slots[l] * static_cast<int64_t>(sizeof(T));
+        for (int64_t i = 0; i < span; ++i) {
+          __builtin_prefetch(ka + 64 * i);
+          __builtin_prefetch(va + 64 * i, 0, 2);
         }
       }
       if (l >= tiled) {
