@@ -308,13 +308,22 @@ def pack_bf16(w: Tensor) -> Tensor:
     return _ext().pack_bf16(w)
 
 
-def bf16_tiles_linear(x: Tensor, tiles: Tensor, n_out: int) -> Tensor:
-    """x @ w.T for x (M, K) bf16 from w's tiles (`pack_bf16`) -> (M, n_out) bf16: each output an fp32 chain of
-    AVX512_BF16's pair products in input order, rounded to bf16 (csrc/matmul_bf16.cpp). The order never depends
-    on M, so a row gets the same bits alone as beside any other rows."""
+def bf16_tiles_linear(x: Tensor, tiles: Tensor, n_out: int, unit: str = "") -> Tensor:
+    """x @ w.T for x (M, K) bf16 from w's tiles (`pack_bf16`) -> (M, n_out) bf16: fp32 sums of exact bf16
+    products in input order, rounded to bf16 (csrc/matmul_bf16.cpp), on `unit` (`bf16_tiles_units`; "" the first:
+    AMX's tile unit where the CPU has one, else AVX512_BF16's pair products). The order never depends on M, so a
+    row gets the same bits alone as beside any other rows; the two units add a pair's products differently, so a
+    CPU takes one of them for every product."""
     if has_torch_function((x, tiles)):
-        return handle_torch_function(bf16_tiles_linear, (x, tiles), x, tiles, n_out)
-    return _ext().bf16_tiles_linear(x, tiles, n_out)
+        return handle_torch_function(bf16_tiles_linear, (x, tiles), x, tiles, n_out, unit)
+    return _ext().bf16_tiles_linear(x, tiles, n_out, unit)
+
+
+def bf16_tiles_units() -> list[str]:
+    """The units that multiply bf16 tiles here, first the one taken: "amx" (Intel's tile unit, where Linux lets
+    this process use it and NANOSERVE_AMX is not 0), "avx512-bf16"; none without the kernels or AVX512_BF16."""
+    module = load()
+    return list(module.bf16_tiles_units()) if module is not None else []
 
 
 def pack_fp32(w: Tensor) -> Tensor:

@@ -17,9 +17,10 @@ weight's format, that takes x and w (`road(x, w)` names it):
 - two or more rows (prefill, batched decode): oneDNN's product, which picks its kernel by what
   the CPU can do, reads a copy of w in its own blocked layout when `pack` made one, and gives
   each row the same bits however many rows the call has (batching relies on that).
-- bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32; on CPUs with AVX512_BF16 (and no
-  AMX), with the compiled kernels, `kernels.bf16_tiles_linear` on the copy of w that `pack` lays out in tiles of
-  16 outputs and pairs of inputs (one order for any number of rows, as fp32's tiles); else oneDNN's bf16 product
+- bf16 matrices (`Llama.cast_matrices`): x rounded to bf16 if it is fp32; on CPUs with AVX512_BF16, with the
+  compiled kernels, `kernels.bf16_tiles_linear` on the copy of w that `pack` lays out in tiles of 16 outputs and
+  pairs of inputs (one order for any number of rows, as fp32's tiles; AMX's tile unit multiplies them where the
+  CPU has one, AVX512_BF16's pair products elsewhere); else oneDNN's bf16 product
   for any row count where it has a packed copy; where torch's oneDNN takes no bf16 (AVX2 CPUs, `bf16_road`), the
   compiled kernel `kernels.bf16_panels_linear` on the copy of w that `pack` lays out in panels of 16 outputs
   (`kernels.bf16_linear` on w itself where there is none), which streams the bf16 matrix and widens it (in
@@ -109,20 +110,21 @@ def _cpu_flags() -> set[str]:
 
 @functools.lru_cache(maxsize=1)
 def bf16_road() -> str:
-    """How a bf16 product runs on this CPU: oneDNN on AMX's tile unit ("amx-bf16", which outruns any vector
-    code), the compiled kernel's tiles on AVX512_BF16's pair products ("tiles": one summation order for any row
-    count, so a lone row needs no padding), oneDNN on those instructions ("avx512-bf16", the kernels off),
-    oneDNN widening bf16 to fp32 for fp32 FMAs ("avx512"), or, where torch's oneDNN takes no bf16 (AVX2 CPUs),
-    x and w widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies
-    bf16 numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to
-    a last bf16 digit, at different speeds."""
+    """How a bf16 product runs on this CPU: the compiled kernel's tiles ("tiles", on AVX512_BF16 CPUs: on AMX's
+    tile unit where there is one, else on AVX512_BF16's pair products, `kernels.bf16_tiles_units`; one summation
+    order for any row count, so a lone row needs no padding), oneDNN's own product (the kernels off: "amx-bf16" on
+    AMX, whose kernels differ with the row count and so change a row's last bits with its batch; "avx512-bf16";
+    "avx512", widening bf16 to fp32 for fp32 FMAs), or, where torch's oneDNN takes no bf16 (AVX2 CPUs), x and w
+    widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies bf16
+    numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to a last
+    bf16 digit, at different speeds."""
     flags, onednn = _cpu_flags(), ONEDNN and onednn_takes_bf16()
-    if "amx_bf16" in flags and onednn:
-        return "amx-bf16"
     if kernels.bf16_tiles_here():
         return "tiles"
     if not onednn:
         return "widen"
+    if "amx_bf16" in flags:
+        return "amx-bf16"
     return "avx512-bf16" if "avx512_bf16" in flags else "avx512"
 
 

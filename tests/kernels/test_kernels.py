@@ -235,30 +235,36 @@ def test_fp32_linear_is_its_sliced_order_for_any_rows(compiled, N):
         kernels.fp32_linear(x[:, :149], tiles, N)
 
 
-@pytest.mark.parametrize("N,K", [(16, 150), (96, 64), (101, 151), (3, 2)])
-def test_bf16_tiles_give_a_row_its_bits_for_any_rows_within_bf16_rounding(compiled, N, K):
-    """AVX512_BF16's pair products on the bf16 tiles: rows 1..40 (every register shape and remainder), an odd K (a
+@pytest.mark.parametrize("unit", ["amx", "avx512-bf16"])
+@pytest.mark.parametrize("N,K", [(16, 150), (96, 64), (101, 151), (3, 2), (70, 576)])
+def test_bf16_tiles_give_a_row_its_bits_for_any_rows_within_bf16_rounding(compiled, unit, N, K):
+    """Each unit on the bf16 tiles (AMX's tile unit: chunks of 16 pairs, then the rest one by one; AVX512_BF16's
+    pair products): rows 1..40 (every register and tile shape and remainder, both of AMX's row loops), an odd K (a
     zero pairs the last input) and a last tile past N. A row's bits alone are its bits among others; each output is
     within its bf16 rounding (2^-8 relative) of the fp64 sum of the same bf16 numbers, plus fp32's chain error."""
-    if not kernels.bf16_tiles_here():
-        pytest.skip("no AVX512_BF16 here: bf16 products take oneDNN or the widening kernel")
+    if unit not in kernels.bf16_tiles_units():
+        pytest.skip(f"no {unit} here: bf16 products take another unit, oneDNN or the widening kernel")
     g = torch.Generator().manual_seed(N + K)
     w = torch.randn(N, K, generator=g).bfloat16()
     x = torch.randn(40, K, generator=g).bfloat16()
     tiles = kernels.pack_bf16(w)
     assert tiles.shape == (-(-N // 16), -(-K // 2), 16, 2) and tiles.dtype == torch.bfloat16
-    full = kernels.bf16_tiles_linear(x, tiles, N)
+    full = kernels.bf16_tiles_linear(x, tiles, N, unit)
     assert full.shape == (40, N) and full.dtype == torch.bfloat16
     for m in range(1, 40):
-        assert torch.equal(kernels.bf16_tiles_linear(x[:m], tiles, N), full[:m]), m
-    assert torch.equal(kernels.bf16_tiles_linear(x[7:8], tiles, N), full[7:8])
+        assert torch.equal(kernels.bf16_tiles_linear(x[:m], tiles, N, unit), full[:m]), m
+    assert torch.equal(kernels.bf16_tiles_linear(x[7:8], tiles, N, unit), full[7:8])
     ref, size = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
     assert bool(((full.double() - ref).abs() <= 2**-8 * ref.abs() + K * 2**-24 * size).all())
-    assert kernels.bf16_tiles_linear(x[:0], tiles, N).shape == (0, N)
+    assert kernels.bf16_tiles_linear(x[:0], tiles, N, unit).shape == (0, N)
+    if unit == kernels.bf16_tiles_units()[0]:
+        assert torch.equal(kernels.bf16_tiles_linear(x, tiles, N), full)  # the unit taken when none is named
     with pytest.raises(RuntimeError, match="tiles \\(ceil\\(N / 16\\), ceil\\(K / 2\\), 16, 2\\) from pack_bf16"):
         kernels.bf16_tiles_linear(x[:, :K - 2], tiles, N)
     with pytest.raises(RuntimeError, match="x \\(M, K\\) bf16"):
         kernels.bf16_tiles_linear(x.float(), tiles, N)
+    with pytest.raises(RuntimeError, match="unit 'vnni' is not one of this CPU's"):
+        kernels.bf16_tiles_linear(x, tiles, N, "vnni")
 
 
 def test_the_kernels_refuse_the_wrong_dtype_or_layout(compiled):

@@ -15,10 +15,16 @@
 // to fp32 once, so that the many groups' inner loops are loads and FMAs only. Widening is exact: the same bits.
 #include "nanoserve.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>  // (AVX512_BF16's intrinsics too, used under a target attribute)
+#include <cpuid.h>
+#include <immintrin.h>  // (AVX512_BF16's and AMX's intrinsics too, used under target attributes)
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -298,6 +304,132 @@ NANOSERVE_TILES_BF16 void pair_task(const uint32_t* x, int64_t M, int64_t P, con
   if (M < PAIR_MANY) pair_rows<4>(x, M, P, wt, n, N, out);
   else pair_many(x, M, P, wt, n, N, out);
 }
+
+// On a CPU with AMX (Intel's tile unit): the same tiles, each 16 pairs of a tile one B tile (16 rows of 64 bytes, as
+// they lie), 16 rows of x one A tile, tdpbf16ps adding their products into a 16 x 16 fp32 C tile. The unit computes
+// each row of C from that row of A alone, and the chunks of 16 pairs are taken in order, then the pairs past the
+// last whole chunk one by one in fp32: a row's bits never depend on which rows share the call, as on the vector
+// road, but they are the unit's own (it adds a pair's products in another order), so one CPU takes one unit for
+// every row count (`bf16_tiles_unit`). Rows come 32 at a time (two A tiles), tiles two at a time (four C tiles);
+// the last rows are copied into zeros so that every A tile is whole.
+#define NANOSERVE_AMX_BF16 \
+  __attribute__((target("amx-tile,amx-bf16,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+constexpr int64_t AMX_PAIRS = 16;  // pairs a tdpbf16ps takes: 64 bytes of an A row, 16 rows of B
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C tile c's fp32 sums (c[i][l]: row i, column l of tile wt[c]) plus the pairs past the last whole chunk, one by
+// one in order, each product exact, rounded to bf16 into out (rows N apart).
+NANOSERVE_AMX_BF16 void amx_finish(const float (*c)[16], const uint32_t* x, int64_t rows, int64_t P, int64_t whole,
+                                   const uint32_t* wt, int64_t N, uint16_t* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    __m512 s = _mm512_load_ps(c[i]);
+    for (int64_t p = whole; p < P; ++p) {
+      const uint32_t xp = x[i * P + p];
+      const __m512i wp = _mm512_loadu_si512(wt + p * TILE);
+      s = _mm512_add_ps(s, _mm512_mul_ps(_mm512_set1_ps(widen(static_cast<uint16_t>(xp))),
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(wp, 16))));
+      s = _mm512_add_ps(s, _mm512_mul_ps(_mm512_set1_ps(widen(static_cast<uint16_t>(xp >> 16))),
+                                         _mm512_castsi512_ps(_mm512_and_si512(wp, _mm512_set1_epi32(-65536)))));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * N), (__m256i)_mm512_cvtneps_pbh(s));
+  }
+}
+
+// Rows of x against n tiles: up to 16 rows, four tiles at a time (four C tiles, one A); more rows, 32 rows and two
+// tiles at a time (two A tiles). Either way each sum takes the same chunks in the same order.
+NANOSERVE_AMX_BF16 void amx_task(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n, int64_t N,
+                                 uint16_t* out) {
+  TileConfig cfg;  // C 0-3 and A 4-5 of as many rows as x has, up to 16; B 6-7
+  const uint8_t held = static_cast<uint8_t>(std::min<int64_t>(16, M));
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t < 6 ? held : 16;
+  _tile_loadconfig(&cfg);
+  const int64_t whole = P / AMX_PAIRS * AMX_PAIRS, last = M / 32 * 32;
+  alignas(64) float c[4][16][16];
+  if (M <= 16) {
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t here = std::min<int64_t>(4, n - t);
+      const uint32_t* w = wt + t * P * TILE;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p = 0; p < whole; p += AMX_PAIRS) {
+        _tile_loadd(4, x + p, P * 4);
+        _tile_loadd(6, w + p * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (here > 1) {
+          _tile_loadd(7, w + (P + p) * TILE, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (here > 2) {
+          _tile_loadd(6, w + (2 * P + p) * TILE, 64);
+          _tile_dpbf16ps(2, 4, 6);
+        }
+        if (here > 3) {
+          _tile_loadd(7, w + (3 * P + p) * TILE, 64);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int64_t h = 0; h < here; ++h) amx_finish(c[h], x, M, P, whole, w + h * P * TILE, N, out + (t + h) * TILE);
+    }
+    _tile_release();
+    return;
+  }
+  thread_local std::vector<uint32_t> pad;  // the last rows (fewer than 32), then zero rows
+  if (last < M) {
+    pad.assign(32 * P, 0);
+    std::memcpy(pad.data(), x + last * P, (M - last) * P * 4);
+  }
+  for (int64_t t = 0; t < n; t += 2) {
+    const bool two = t + 1 < n;
+    const uint32_t* w0 = wt + t * P * TILE;
+    const uint32_t* w1 = two ? w0 + P * TILE : w0;
+    for (int64_t r = 0; r < M; r += 32) {
+      const int64_t rows = std::min<int64_t>(32, M - r);
+      const uint32_t* xa = r < last ? x + r * P : pad.data();
+      const bool low = rows > 16;  // a second A tile
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t p = 0; p < whole; p += AMX_PAIRS) {
+        _tile_loadd(4, xa + p, P * 4);
+        _tile_loadd(6, w0 + p * TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+          _tile_loadd(7, w1 + p * TILE, 64);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (low) {
+          _tile_loadd(5, xa + 16 * P + p, P * 4);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      uint16_t* o = out + r * N + t * TILE;
+      amx_finish(c[0], xa, std::min<int64_t>(16, rows), P, whole, w0, N, o);
+      if (two) amx_finish(c[1], xa, std::min<int64_t>(16, rows), P, whole, w1, N, o + TILE);
+      if (low) {
+        amx_finish(c[2], xa + 16 * P, rows - 16, P, whole, w0, N, o + 16 * N);
+        if (two) amx_finish(c[3], xa + 16 * P, rows - 16, P, whole, w1, N, o + 16 * N + TILE);
+      }
+    }
+  }
+  _tile_release();
+}
 #endif
 
 }  // namespace
@@ -311,8 +443,9 @@ torch::Tensor pack_bf16(torch::Tensor w) {
   return padded.view({tiles, TILE, P, 2}).transpose(1, 2).contiguous();
 }
 
-// x (M, K) bf16 times w's tiles -> (M, N) bf16 (the CPU must have AVX512_BF16: `prompt_attention_bf16_here`).
-torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N) {
+// x (M, K) bf16 times w's tiles -> (M, N) bf16 (the CPU must have AVX512_BF16: `prompt_attention_bf16_here`), on
+// `unit` ("": this CPU's first, bf16_tiles_units).
+torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N, std::string unit) {
   TORCH_CHECK(prompt_attention_bf16_here(), "bf16_tiles_linear: this CPU has no AVX512_BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "bf16_tiles_linear: x (M, K) bf16");
   const int64_t M = x.size(0), K = x.size(1), P = (K + 1) / 2;
@@ -327,21 +460,53 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N)
   if (M == 0 || nt == 0) return out.narrow(1, 0, N).contiguous();
   if (P == 0) return out.zero_().narrow(1, 0, N).contiguous();
   bf16_tiles_product(static_cast<const uint16_t*>(tiles.data_ptr()), nt, P, static_cast<const uint16_t*>(xr.data_ptr()),
-                     M, static_cast<uint16_t*>(out.data_ptr()));
+                     M, static_cast<uint16_t*>(out.data_ptr()), nullptr, unit);
   return width == N ? out : out.narrow(1, 0, N).contiguous();
 }
 
-// bf16_tiles_linear on raw numbers (step.cpp): x (M, 2P) bf16 times nt tiles of P pairs -> out (M, nt * TILE) bf16.
+// Whether this CPU has AMX's bf16 products and Linux lets this process use its tiles (asked once), unless
+// NANOSERVE_AMX=0.
+bool bf16_amx_here() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool here = [] {
+    const char* env = std::getenv("NANOSERVE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;  // bf16, tile
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 && prompt_attention_bf16_here();
+  }();
+  return here;
+#else
+  return false;
+#endif
+}
+
+// The units bf16_tiles_product can take here, the one it takes first.
+std::vector<std::string> bf16_tiles_units() {
+  std::vector<std::string> units;
+  if (bf16_amx_here()) units.emplace_back("amx");
+  if (prompt_attention_bf16_here()) units.emplace_back("avx512-bf16");
+  return units;
+}
+
+// bf16_tiles_linear on raw numbers (step.cpp): x (M, 2P) bf16 times nt tiles of P pairs -> out (M, nt * TILE) bf16,
+// on `unit` ("amx" or "avx512-bf16"; "" the first of bf16_tiles_units).
 void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out,
-                        Team* team) {
+                        Team* team, const std::string& unit) {
 #if defined(__x86_64__) || defined(_M_X64)
+  static const bool amx_first = bf16_amx_here();
+  const bool amx = unit.empty() ? amx_first : unit == "amx";
+  TORCH_CHECK(unit.empty() || unit == "avx512-bf16" || (unit == "amx" && amx_first),
+              "bf16 tiles: unit '", unit, "' is not one of this CPU's (bf16_tiles_units)");
   const uint32_t* xp = reinterpret_cast<const uint32_t*>(x);
   const uint32_t* wp = reinterpret_cast<const uint32_t*>(tiles);
   const int64_t want = (team ? team->size : at::get_num_threads()) * PAIR_TASKS_PER_THREAD, width = nt * TILE;
   const int64_t per = ((nt + want - 1) / want + 3) / 4 * 4;  // tiles a task takes, a multiple of one row's 4
   for_each_task<int>(team, (nt + per - 1) / per, [&](int64_t task, int&) {
     const int64_t t0 = task * per;
-    pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, out + t0 * TILE);
+    if (amx) amx_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, out + t0 * TILE);
+    else pair_task(xp, M, P, wp + t0 * P * TILE, std::min(per, nt - t0), width, out + t0 * TILE);
   });
 #else
   TORCH_CHECK(false, "bf16_tiles_product: the tiles are an x86 road");

@@ -78,7 +78,10 @@ torch::Tensor pack_bf16_panels(torch::Tensor w);
 torch::Tensor bf16_panels_linear(torch::Tensor x, torch::Tensor panels);
 // x @ w.T for a bf16 matrix from its tiled copy, on AVX512_BF16's pair products (matmul_bf16.cpp).
 torch::Tensor pack_bf16(torch::Tensor w);
-torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
+torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N, std::string unit);
+// Which units multiply the tiles here, AMX's tile unit ("amx") then AVX512_BF16's pair products ("avx512-bf16"): each
+// gives a row its bits for any rows, its own bits (matmul_bf16.cpp); the first is taken.
+std::vector<std::string> bf16_tiles_units();
 // x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).
 torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
@@ -89,7 +92,7 @@ double peak_ops(std::string format, std::string road, int64_t iters);
 void fp32_product(const float* tiles, int64_t nt, int64_t K, const float* x, int64_t M, float* out,
                   Team* team = nullptr);
 void bf16_tiles_product(const uint16_t* tiles, int64_t nt, int64_t P, const uint16_t* x, int64_t M, uint16_t* out,
-                        Team* team = nullptr);
+                        Team* team = nullptr, const std::string& unit = "");
 // bf16_panels_linear on raw numbers: x (M, K) bf16 times the panels of N outputs -> out (M, N) bf16.
 void bf16_panels_product(const uint16_t* panels, int64_t N, int64_t K, const uint16_t* x, int64_t M, uint16_t* out,
                          Team* team = nullptr);
