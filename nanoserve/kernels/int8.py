@@ -275,6 +275,16 @@ def tiled_rows() -> tuple[int, int]:
     return tuple(load_kernels().int8_tiled_rows())  # type: ignore[union-attr,return-value]
 
 
+def amx(on: bool | None = None) -> bool:
+    """Whether the AVX512-VNNI road's tiled products (from `tiled_rows` rows of x) take AMX's tile unit, Intel's:
+    one tdpbusd gives a block's 16 x 16 integer sums, the fp32 steps are the vector micro-kernel's, so the bits are
+    the same either way. On where the CPU has AMX-INT8 and Linux lets the process use its tiles (NANOSERVE_AMX=0
+    turns it off); `on` sets it for this process (True only where it is here), for a comparison of the two."""
+    if not available():
+        return False
+    return bool(load_kernels().int8_amx(-1 if on is None else int(on)))  # type: ignore[union-attr]
+
+
 def int8_roads() -> list[str]:
     """Every compiled road this CPU can run, best first (empty where the kernels are not in use)."""
     return list(load_kernels().int8_roads()) if available() else []  # type: ignore[union-attr]

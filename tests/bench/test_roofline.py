@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from nanoserve import kernels
 from nanoserve.bench import roofline as roofline_module
 from nanoserve.bench.roofline import (
     attainable_flops,
@@ -105,6 +106,11 @@ def test_every_format_this_cpu_has_a_peak_and_a_bad_road_is_named(compiled):
     formats = [f for f, _ in roads]
     assert "fp32" in formats and "int8" in formats and set(formats) <= {"fp32", "int8", "bf16"}
     assert ("int8", "avx2") in roads  # every x86 road here has AVX2's
+    if "amx" in kernels.bf16_tiles_units():  # Intel's tile unit: a road of its own, first for int8 and bf16
+        assert roads.index(("int8", "amx")) < roads.index(("int8", "avx512-vnni"))
+        assert roads.index(("bf16", "amx")) < roads.index(("bf16", "avx512-bf16"))
+        assert measure_compute_peak("int8", "amx", threads=1, seconds=0.01, repeats=1).ops_s > \
+            measure_compute_peak("int8", "avx512-vnni", threads=1, seconds=0.01, repeats=1).ops_s
     peak = measure_compute_peak("fp32", roads[0][1], threads=1, seconds=0.01, repeats=1)
     assert peak.threads == 1 and 1e8 < peak.ops_s < 1e13
     assert torch.get_num_threads() >= 1  # threads restored

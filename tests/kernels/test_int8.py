@@ -353,13 +353,25 @@ def test_grouped_formats_on_random_bytes_and_in_any_batch(ext, fmt):
                 assert torch.equal(int8.block_linear_int8(x[rows], blocks, fmt, road), full[rows]), (road, rows)
 
 
+@pytest.fixture(params=["vector", "amx"])
+def tile_unit(request, ext):
+    """The tiled products' unit: the vector micro-kernel, or AMX's tile unit where this CPU and process have it."""
+    was = int8.amx()
+    try:
+        int8.amx(request.param == "amx")
+    except RuntimeError:
+        pytest.skip("no AMX-INT8 tiles here")
+    yield request.param
+    int8.amx(was)
+
+
 @pytest.mark.parametrize("fmt", [*FORMATS, *GROUPED])
 @pytest.mark.parametrize("shape", [(5, 256), (17, 512), (33, 576), (21, 1536), (40, 2048), (100, 576)])
-def test_many_rows_of_x_are_the_reference_bit_for_bit(ext, fmt, shape):
+def test_many_rows_of_x_are_the_reference_bit_for_bit(ext, tile_unit, fmt, shape):
     """From `int8.tiled_rows()` rows of x the AVX512-VNNI road unpacks the weight rows once into tiles of 48 (each
-    format an unpacker into the one layout) and multiplies every four rows of x by each: the reference's bits on both
-    sides of each threshold (a block of x that holds inf among them; 100 weight rows are three tiles, the last short),
-    and each row's bits alone (one row takes another road)."""
+    format an unpacker into the one layout) and multiplies every four rows of x by each (or, on AMX, every 16 in one
+    tile operation a block): the reference's bits on both sides of each threshold (a block of x that holds inf among
+    them; 100 weight rows are three tiles, the last short), and each row's bits alone (one row takes another road)."""
     n, k = shape
     if k % quant.block_weights(fmt):
         k = -(-k // 256) * 256  # a K-quant's rows are whole super-blocks

@@ -35,7 +35,9 @@
 // unpacks 48 weight rows at a time once into a tile (rows_tiled, krows_tiled): every format has an unpacker into one
 // layout (Q4_1 and Q8_0 from their packed quads, Q5_0 as Q8_0, Q4_K and Q6_K from their blocks), turned so that a
 // register's 16 lanes are 16 weight rows, and one micro-kernel (otile) multiplies every four rows of x by it, its
-// fp32 steps those above (group_c's), lane for lane. The bits do not change.
+// fp32 steps those above (group_c's), lane for lane. The bits do not change. On a CPU with AMX-INT8 (Intel's tile
+// unit) the tile is multiplied by 16 rows of x at a time instead, a block's integer sums one tdpbusd (amx_group), the
+// fp32 steps otile's: the bits do not change either.
 #ifndef NANOSERVE_INT8_ROAD  // ------------------------------------------------------------- the common part
 
 #include "nanoserve.h"
@@ -54,6 +56,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #define NANOSERVE_INT8_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -98,6 +101,7 @@ struct Acts {
   const int32_t* s;  // (B, ld)
   int64_t nb, kq, ld;
   bool biased = false;  // qi holds q + 128 (unsigned bytes): the AVX512-VNNI road's tiled layout (rows_tiled)
+  bool amx = false;     // and its blocks in order, 32 bytes each, for AMX's tile unit (tiled_rows' amx_group)
 };
 
 // Where block b's first half lies in its row of qi (its second half 64 bytes on).
@@ -598,6 +602,42 @@ void transpose_halves(int8_t* qi, int64_t halves) {
   }
 }
 
+// Each quad of quantized x from its halves (the first 16 bytes of blocks 4t..4t + 3, then their last 16) to its
+// blocks in order, 32 bytes each: what AMX's tile unit loads 16 rows of at once (amx_group).
+void plain_blocks(uint8_t* qi, int64_t quads) {
+  for (int64_t t = 0; t < quads; ++t) {
+    uint8_t u[QUAD];
+    for (int i = 0; i < 4; ++i) {
+      std::memcpy(u + 32 * i, qi + QUAD * t + 16 * i, 16);
+      std::memcpy(u + 32 * i + 16, qi + QUAD * t + 64 + 16 * i, 16);
+    }
+    std::memcpy(qi + QUAD * t, u, QUAD);
+  }
+}
+
+// Whether the AVX512-VNNI road's tiled products take AMX's tile unit: where the CPU has AMX-INT8 and Linux lets
+// this process use its tiles (amx_tiles_here, NANOSERVE_AMX), unless turned off (int8_amx). The same bits either way.
+std::atomic<int> amx_int8{-1};  // -1: not yet asked
+
+bool amx_int8_here() {
+#if defined(NANOSERVE_INT8_X86) && defined(__linux__)
+  static const bool here = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) && amx_tiles_here();  // AMX-INT8
+  }();
+  return here;
+#else
+  return false;
+#endif
+}
+
+bool amx_int8_on() {
+  int on = amx_int8.load(std::memory_order_relaxed);
+  if (on < 0) amx_int8.store(on = amx_int8_here() ? 1 : 0);
+  return on == 1;
+}
+
+
 // For the 256-bit roads' groups of eight blocks: each pair of transposed quads interleaved chunk by chunk (for each
 // half, chunk k of the first quad, then chunk k of the second), so that a group's chunk k is one 32-byte load, lane
 // i block i, where it took two loads and an insert for every weight row.
@@ -672,6 +712,16 @@ struct Quantized {
   uint8_t* buffer;
   Acts acts;
 };
+
+// x quantized for the tiled road: q + 128, the quads' halves transposed (otile) or the blocks in order (AMX's).
+void tiled_x(Quantized& z, int64_t B) {
+  z.acts.amx = amx_int8_on();
+  if (z.acts.amx) plain_blocks(z.buffer, B * z.acts.kq / QUAD);
+  else transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
+  bias_bytes(z.buffer, B * z.acts.kq);
+  z.acts.biased = true;
+}
+
 
 Quantized quantize(const float* xp, int64_t B, int64_t K, const Road& road) {
   const int64_t nb = K / QK, kq = (nb + 7) / 8 * 2 * QUAD, ld = (nb + GROUP - 1) / GROUP * GROUP;
@@ -801,9 +851,7 @@ void group_product(const Road& road, GFmt f, const uint8_t* w, int64_t N, int64_
     return;
   }
   if (road.layout == Layout::QUADS && B >= KQUANT_TILED_ROWS && f != GFmt::Q5_0) {  // the K-quants' tiles
-    transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);
-    bias_bytes(z.buffer, B * z.acts.kq);
-    z.acts.biased = true;
+    tiled_x(z, B);
     tiled_tasks(team, N, [&](int64_t o0, int64_t o1) {
       if (f == GFmt::Q4_K) avx512_vnni::krows_tiled<GFmt::Q4_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
       else avx512_vnni::krows_tiled<GFmt::Q6_K>(w, row_bytes, o0, o1, z.acts, B, o, N);
@@ -910,12 +958,9 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
   TORCH_CHECK(road.layout == Layout::ROWS || !is_k8(f), "road '", road.name, "' has no packed layout for K-quants");
   const int64_t row_bytes = K / QK * fmt_bytes(f);
   Quantized z = quantize(x, B, K, road);
-  transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
-  if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
 #ifdef NANOSERVE_INT8_X86
   if (road.layout == Layout::QUADS && B >= TILED_ROWS) {  // the tiled road reads q + 128
-    bias_bytes(z.buffer, B * z.acts.kq);
-    z.acts.biased = true;
+    tiled_x(z, B);
     tiled_tasks(team, N, [&](int64_t o0, int64_t o1) {
       if (f == Fmt::Q4_1) avx512_vnni::rows_tiled<Fmt::Q4_1>(packed, row_bytes, o0, o1, z.acts, B, out, N);
       else avx512_vnni::rows_tiled<Fmt::Q8_0>(packed, row_bytes, o0, o1, z.acts, B, out, N);
@@ -923,6 +968,8 @@ void product_packed(const Road& road, Fmt f, const uint8_t* packed, int64_t N, i
     return;
   }
 #endif
+  transpose_halves(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / 64);  // qi, in place
+  if (road.layout == Layout::ROWS) pair_quads(reinterpret_cast<int8_t*>(z.buffer), B * z.acts.kq / (2 * QUAD));
   parallel_rows(team, (N + 3) / 4, GROUPS_PER_TASK, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; g += GROUPS_PER_TASK)
       road.rows_packed(f, packed, row_bytes, g, std::min(end, g + GROUPS_PER_TASK), z.acts, B, out, N);
@@ -1032,6 +1079,13 @@ int64_t int8_packed_bytes(bool q4_1, int64_t N, int64_t K) {
 
 // Whether this CPU's int8 road has a packed layout (the x86 roads: BlockModel reads packed copies then).
 bool int8_packed_here() { return int8q::packed_here(); }
+
+bool int8_amx(int64_t on) {
+  TORCH_CHECK(on >= -1 && on <= 1, "int8_amx: on is -1 (ask), 0 or 1, got ", on);
+  TORCH_CHECK(on != 1 || int8q::amx_int8_here(), "int8_amx: this CPU (or process) has no AMX-INT8 tiles");
+  if (on >= 0) int8q::amx_int8.store(static_cast<int>(on));
+  return int8q::amx_int8_on();
+}
 
 void block_product_int8_packed(const uint8_t* packed, bool q4_1, int64_t N, int64_t K, const float* x, int64_t B,
                                float* out, Team* team) {
@@ -1507,6 +1561,101 @@ ROAD_FN void otile(const uint8_t* tile, int64_t gstride, const Acts& a, int64_t 
     }
 }
 
+#if NANOSERVE_INT8_ROAD == 1
+// ---- the tiled road on AMX's tile unit (Intel's; int8_amx): the tile as the micro-kernel reads it is already what
+// AMX's tdpbusd takes as its B operand (block b of 16 weight rows: 8 rows of 64 bytes, row k lane o = row o's weights
+// at positions 4k..4k + 3), and 16 rows of x (q + 128, each block's 32 bytes in order: plain_blocks) are its A
+// operand: one tdpbusd gives the 16 x 16 integer sums of a block that otile's 128 vpdpbusd give, the same integers.
+// They are stored, and the fp32 steps are otile's, lane for lane, into the same 16 sums a row: the same bits.
+#define AMX_FN __attribute__((target(INT8_TARGET ",amx-tile,amx-int8"))) inline
+
+struct alignas(64) AmxConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles for `rows` rows of x: 0 and 1 the sums (a block's; HALVES: its first and second half's), 2 a block of x (32
+// bytes a row), 3 a block of weights (8 x 64), 4 and 5 the halves of a block of x (16 bytes), 6 and 7 of weights (4 x 64).
+AMX_FN void amx_config(int rows) {
+  AmxConfig c;
+  const uint8_t r = static_cast<uint8_t>(rows);
+  c.colsb[0] = c.colsb[1] = 64, c.rows[0] = c.rows[1] = r;
+  c.colsb[2] = 32, c.rows[2] = r;
+  c.colsb[3] = 64, c.rows[3] = 8;
+  c.colsb[4] = c.colsb[5] = 16, c.rows[4] = c.rows[5] = r;
+  c.colsb[6] = c.colsb[7] = 64, c.rows[6] = c.rows[7] = 4;
+  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
+  _tile_loadconfig(&c);
+}
+
+AMX_FN void amx_release() { _tile_release(); }
+
+// Rows r0..r0 + R - 1 of x (the tiles configured for R rows, R <= 16) against one group of 16 weight rows (its
+// blocks at q0, TILE_BLOCK apart): out[r * ldo + o] for the first `cols` of the 16. Block b's sums go to acc[b % 16],
+// the blocks of one acc taken in order, then tree16's adds, as otile's.
+template <int MODE>
+AMX_FN void amx_group(const uint8_t* q0, const Acts& a, int64_t r0, int R, float* out, int64_t ldo, int64_t cols) {
+  alignas(64) float kept[GROUP][16][16];
+  alignas(64) int32_t c0[16][16], c1[16][16];
+  const uint8_t* x0 = reinterpret_cast<const uint8_t*>(a.qi) + r0 * a.kq;
+  for (int64_t j = 0; j < GROUP; ++j) {
+    __m512 acc[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = j; b < a.nb; b += GROUP) {
+      const uint8_t* q = q0 + b * TILE_BLOCK;
+      _tile_zero(0);
+      if constexpr (MODE == HALVES) {
+        _tile_zero(1);
+        _tile_loadd(4, x0 + 32 * b, a.kq);
+        _tile_loadd(6, q, 64);
+        _tile_dpbusd(0, 4, 6);
+        _tile_loadd(5, x0 + 32 * b + 16, a.kq);
+        _tile_loadd(7, q + 256, 64);
+        _tile_dpbusd(1, 5, 7);
+        _tile_stored(1, c1, 64);
+      } else {
+        _tile_loadd(2, x0 + 32 * b, a.kq);
+        _tile_loadd(3, q, 64);
+        _tile_dpbusd(0, 2, 3);
+      }
+      _tile_stored(0, c0, 64);
+      const __m512 wa = _mm512_load_ps(q + 512), wb = _mm512_load_ps(q + 576);
+      const __m512i s0 = _mm512_load_si512(q + 640), s1 = _mm512_load_si512(q + 704);
+      const __m512i both = _mm512_add_epi32(s0, s1);
+      const float* d = a.d + r0 * a.ld + b;
+      const float* ds = a.ds + r0 * a.ld + b;
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r) {
+        if (r >= R) break;
+        const __m512 dr = _mm512_set1_ps(d[r * a.ld]);
+        __m512 v;
+        if constexpr (MODE == HALVES) {
+          const __m512 c = _mm512_mul_ps(_mm512_mul_ps(wa, dr),
+                                         _mm512_cvtepi32_ps(_mm512_add_epi32(s0, _mm512_load_si512(c0[r]))));
+          v = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(wb, dr),
+                                             _mm512_cvtepi32_ps(_mm512_add_epi32(s1, _mm512_load_si512(c1[r])))));
+        } else {
+          v = _mm512_mul_ps(_mm512_mul_ps(wa, dr), _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(c0[r]), both)));
+          if constexpr (MODE == M) v = _mm512_add_ps(v, _mm512_mul_ps(wb, _mm512_set1_ps(ds[r * a.ld])));
+        }
+        acc[r] = _mm512_add_ps(acc[r], v);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) _mm512_store_ps(kept[j][r], acc[r]);
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 t[8], u[4];
+    for (int j = 0; j < 8; ++j) t[j] = _mm512_add_ps(_mm512_load_ps(kept[j][r]), _mm512_load_ps(kept[j + 8][r]));
+    for (int j = 0; j < 4; ++j) u[j] = _mm512_add_ps(t[j], t[j + 4]);
+    _mm512_mask_storeu_ps(out + r * ldo, first16(cols),
+                          _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3])));
+  }
+}
+#endif
+
 // Rows r0..r0 + xr - 1 of x (xr <= TILE_X) against the tile's first `groups` groups.
 template <int MODE, int R = TILE_X>
 ROAD_FN void orows(int xr, int groups, const uint8_t* tile, int64_t gstride, const Acts& a, int64_t r0, float* out,
@@ -1559,6 +1708,22 @@ ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float*
       quads_to_rows(qt, std::min<int64_t>(4, a.nb - 4 * t), tile + n * gstride + 4 * t * TILE_BLOCK);
     }
   }
+#if NANOSERVE_INT8_ROAD == 1
+  if (a.amx) {  // 16 rows of x at a time on AMX's tile unit
+    const int64_t passes = (B + 15) / 16, per_pass = (next_bytes / passes + 63) / 64 * 64;
+    amx_config(16);
+    for (int64_t r0 = 0, ahead = 0; r0 < B; r0 += 16) {
+      for (const int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64)
+        _mm_prefetch(next + ahead, _MM_HINT_T1);
+      const int rows = static_cast<int>(std::min<int64_t>(16, B - r0));
+      if (rows < 16) amx_config(rows);
+      for (int64_t n = 0; n < groups; ++n)
+        amx_group<MODE>(tile + n * gstride, a, r0, rows, out + r0 * N + o0 + 16 * n, N, o1 - o0 - 16 * n);
+    }
+    amx_release();
+    return;
+  }
+#endif
   const int64_t passes = (B + TILE_X - 1) / TILE_X, per_pass = (next_bytes / passes + 63) / 64 * 64;
   for (int64_t r0 = 0, ahead = 0; r0 < B; r0 += TILE_X) {
     for (const int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64)

@@ -347,6 +347,7 @@ NANOSERVE_AMX_BF16 void amx_task(const uint32_t* x, int64_t M, int64_t P, const 
   TileConfig cfg;  // C 0-3 and A 4-5 of as many rows as x has, up to 16; B 6-7
   const uint8_t held = static_cast<uint8_t>(std::min<int64_t>(16, M));
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t < 6 ? held : 16;
+  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
   _tile_loadconfig(&cfg);
   const int64_t whole = P / AMX_PAIRS * AMX_PAIRS, last = M / 32 * 32;
   alignas(64) float c[4][16][16];
@@ -464,17 +465,31 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N,
   return width == N ? out : out.narrow(1, 0, N).contiguous();
 }
 
-// Whether this CPU has AMX's bf16 products and Linux lets this process use its tiles (asked once), unless
-// NANOSERVE_AMX=0.
-bool bf16_amx_here() {
+// Whether Linux lets this process use AMX's tiles (asked once: the tiles' state is enabled per process), on a CPU
+// that has them, unless NANOSERVE_AMX=0.
+bool amx_tiles_here() {
 #if defined(__x86_64__) && defined(__linux__)
   static const bool here = [] {
     const char* env = std::getenv("NANOSERVE_AMX");
     if (env != nullptr && std::string(env) == "0") return false;
     unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;  // bf16, tile
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24))) return false;  // AMX-TILE
     constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 && prompt_attention_bf16_here();
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return here;
+#else
+  return false;
+#endif
+}
+
+// Whether the bf16 tiles may take AMX's tile unit: AMX-BF16 and its tiles allowed, beside AVX512_BF16 (amx_finish).
+bool bf16_amx_here() {
+#if defined(__x86_64__) && defined(__linux__)
+  static const bool here = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && amx_tiles_here() &&
+           prompt_attention_bf16_here();
   }();
   return here;
 #else

@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ w.T from w's bf16 tiles on a unit ('' this CPU's first): pair products, fp32 sums, bf16 out",
         pybind11::arg("x"), pybind11::arg("tiles"), pybind11::arg("N"), pybind11::arg("unit") = "");
   m.def("bf16_tiles_units", &bf16_tiles_units, "the units that multiply bf16 tiles here, the one taken first");
+  m.def("int8_amx", &int8_amx, "whether the int8 tiled products take AMX (-1 asks; 0, 1 set): the same bits",
+        pybind11::arg("on") = -1);
   m.def("pack_fp32", &pack_fp32, nogil, "an fp32 matrix (N, K) as tiles (N / 16, K, 16), for fp32_linear");
   m.def("fp32_linear", &fp32_linear, nogil, "x @ w.T from w's tiles: sliced in-order sums, the same bits for any rows");
   m.def("argmax_rows", &argmax_rows, "each row's first largest index, a NaN counting as largest");

@@ -82,6 +82,10 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N,
 // Which units multiply the tiles here, AMX's tile unit ("amx") then AVX512_BF16's pair products ("avx512-bf16"): each
 // gives a row its bits for any rows, its own bits (matmul_bf16.cpp); the first is taken.
 std::vector<std::string> bf16_tiles_units();
+// Whether this process may use AMX's tiles (a CPU with them, Linux's permission, NANOSERVE_AMX not 0).
+bool amx_tiles_here();
+// Whether the int8 tiled products take AMX's tile unit (the same bits as without): on = -1 asks, 0 or 1 sets.
+bool int8_amx(int64_t on);
 // x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).
 torch::Tensor pack_fp32(torch::Tensor w);
 torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor tiles, int64_t N);
