@@ -26,6 +26,7 @@ from ..kernels import int8, quant
 from ..loader import load
 from ..model import Llama
 from ..model.fetch import gguf_of, model_folder
+from ..model.matmul import cpu_flags
 from ..stages import CachedSession, NoCacheSession
 from . import csvio
 from .command import common_arguments, csv_header, report, start
@@ -142,6 +143,22 @@ def time_transformers(hf_model, prompt: Sequence[int], steps: int) -> tuple[floa
     return timing.prefill_s, timing.median_step_s
 
 
+# llama-cpp-python built for this CPU less llama.cpp's AMX kernels (GGML_NATIVE names them on an AMX CPU)
+LLAMA_CPP_WITHOUT_AMX = ("CMAKE_ARGS='-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                         "-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON' pip install "
+                         "--force-reinstall --no-cache-dir llama-cpp-python")
+
+
+def crash_hint(returncode: int, flags: set[str]) -> str:
+    """What to try when llama.cpp's child died of a signal on a CPU with AMX: llama-cpp-python 0.3.36, built native,
+    crashed inside its AMX product (ggml_backend_amx_mul_mat, SIGSEGV) on both models on an AMX Xeon, and a build
+    without those kernels ran."""
+    if returncode >= 0 or "amx_int8" not in flags:
+        return ""
+    return (f"; killed by signal {-returncode} on a CPU with AMX; llama.cpp less its AMX kernels: "
+            f"{LLAMA_CPP_WITHOUT_AMX}")
+
+
 def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
                      ) -> tuple[Callable[..., tuple[float, float]] | None, str]:
     """(prompt, steps, batch=1) -> llama.cpp's (prefill s, median decode step s) on the GGUF for `batch` copies of
@@ -159,7 +176,7 @@ def llama_cpp_runner(gguf_path: Path, threads: int, probe: Sequence[int],
                            input=job, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(f"llama-cpp-python {llama_cpp.__version__} failed (exit {r.returncode}): "
-                               f"{r.stderr.strip()[-300:]}")
+                               f"{r.stderr.strip()[-300:]}{crash_hint(r.returncode, cpu_flags())}")
         prefill, step = r.stdout.strip().splitlines()[-1].split()
         return float(prefill), float(step)
 

@@ -100,7 +100,7 @@ def tiles_road() -> bool:
         return False
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         line = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
     except (OSError, StopIteration):
@@ -118,7 +118,7 @@ def bf16_road() -> str:
     widened to fp32 by `linear`, in the compiled kernel or for fp32's product ("widen"). Each multiplies bf16
     numbers (their products exact in fp32), sums in fp32 and rounds the output to bf16: the same numbers to a last
     bf16 digit, at different speeds."""
-    flags, onednn = _cpu_flags(), ONEDNN and onednn_takes_bf16()
+    flags, onednn = cpu_flags(), ONEDNN and onednn_takes_bf16()
     if kernels.bf16_tiles_here():
         return "tiles"
     if not onednn:
