@@ -36,7 +36,9 @@ From a few dozen rows of x (`tiled_rows`: a prompt, a large batch) the AVX512-VN
 once into tiles, whatever their format (Q4_1, Q8_0 and Q5_0 from their packed copies, Q4_K and Q6_K from their
 blocks), each register's 16 lanes 16 weight rows, so that four bytes of a row of x broadcast from memory meet 16
 rows in one instruction; one micro-kernel multiplies every four rows of x by a tile: a new format adds an unpacker,
-not a product. Same integers, same fp32 steps, the same bits.
+not a product. Same integers, same fp32 steps, the same bits. On a CPU with AMX-INT8 (`amx`) the same tile meets 16
+rows of x in one tile operation a block, Intel's tile unit giving the integer sums and the micro-kernel's fp32 steps
+following: the same bits again.
 """
 
 from __future__ import annotations
