@@ -1575,76 +1575,109 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles for `rows` rows of x: 0 and 1 the sums (a block's; HALVES: its first and second half's), 2 a block of x (32
-// bytes a row), 3 a block of weights (8 x 64), 4 and 5 the halves of a block of x (16 bytes), 6 and 7 of weights (4 x 64).
-AMX_FN void amx_config(int rows) {
+// Tiles for `rows` rows of x: 0 and 1 the sums. Whole blocks (PLAIN, M): two sets, each a block of x (32 bytes a
+// row: tiles 2, 4) and a block of weights (8 x 64: 3, 5), so that one block's product runs while the last one's sums
+// are scaled; HALVES: the halves of a block of x (16 bytes: 4, 5) and of weights (4 x 64: 6, 7).
+AMX_FN void amx_config(int rows, bool halves) {
   AmxConfig c;
   const uint8_t r = static_cast<uint8_t>(rows);
   c.colsb[0] = c.colsb[1] = 64, c.rows[0] = c.rows[1] = r;
-  c.colsb[2] = 32, c.rows[2] = r;
-  c.colsb[3] = 64, c.rows[3] = 8;
-  c.colsb[4] = c.colsb[5] = 16, c.rows[4] = c.rows[5] = r;
-  c.colsb[6] = c.colsb[7] = 64, c.rows[6] = c.rows[7] = 4;
+  if (halves) {
+    c.colsb[4] = c.colsb[5] = 16, c.rows[4] = c.rows[5] = r;
+    c.colsb[6] = c.colsb[7] = 64, c.rows[6] = c.rows[7] = 4;
+  } else {
+    c.colsb[2] = c.colsb[4] = 32, c.rows[2] = c.rows[4] = r;
+    c.colsb[3] = c.colsb[5] = 64, c.rows[3] = c.rows[5] = 8;
+  }
   asm volatile("" : : "r"(&c) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
   _tile_loadconfig(&c);
 }
 
 AMX_FN void amx_release() { _tile_release(); }
 
+// Block b's integer sums into C tile T from the tiles A and W (a whole block: PLAIN, M).
+#define AMX_BLOCK(T, A, W, b)                        \
+  do {                                               \
+    _tile_zero(T);                                   \
+    _tile_loadd(A, x0 + 32 * (b), a.kq);             \
+    _tile_loadd(W, q0 + (b) * TILE_BLOCK, 64);       \
+    _tile_dpbusd(T, A, W);                           \
+  } while (0)
+
 // Rows r0..r0 + R - 1 of x (the tiles configured for R rows, R <= 16) against one group of 16 weight rows (its
 // blocks at q0, TILE_BLOCK apart): out[r * ldo + o] for the first `cols` of the 16. Block b's sums go to acc[b % 16],
-// the blocks of one acc taken in order, then tree16's adds, as otile's.
+// the blocks of one acc taken in order (b = j, j + 16, ...), then tree16's adds, as otile's. Whole blocks are taken
+// two tiles deep: the next block's product is asked for before this one's sums are scaled, so that the tile unit's
+// latency hides behind the vector work.
 template <int MODE>
 AMX_FN void amx_group(const uint8_t* q0, const Acts& a, int64_t r0, int R, float* out, int64_t ldo, int64_t cols) {
   alignas(64) float kept[GROUP][16][16];
   alignas(64) int32_t c0[16][16], c1[16][16];
   const uint8_t* x0 = reinterpret_cast<const uint8_t*>(a.qi) + r0 * a.kq;
-  for (int64_t j = 0; j < GROUP; ++j) {
-    __m512 acc[16];
+  const int64_t js = std::min<int64_t>(GROUP, a.nb);
+  for (int64_t j = js; j < GROUP; ++j)  // no blocks: zero sums
+    for (int r = 0; r < 16; ++r) _mm512_store_ps(kept[j][r], _mm512_setzero_ps());
+  __m512 acc[16];
 #pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = j; b < a.nb; b += GROUP) {
-      const uint8_t* q = q0 + b * TILE_BLOCK;
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  // the blocks in the order their sums are taken: j = 0, 16, 32, ..., then 1, 17, ...; -1 after the last
+  const auto after = [&](int64_t b) -> int64_t {
+    if (b + GROUP < a.nb) return b + GROUP;
+    return b % GROUP + 1 < js ? b % GROUP + 1 : -1;
+  };
+  int turn = 0;
+  if constexpr (MODE != HALVES) AMX_BLOCK(0, 2, 3, 0);
+  for (int64_t b = 0; b >= 0;) {
+    const int64_t next = after(b);
+    const uint8_t* q = q0 + b * TILE_BLOCK;
+    if constexpr (MODE == HALVES) {
       _tile_zero(0);
-      if constexpr (MODE == HALVES) {
-        _tile_zero(1);
-        _tile_loadd(4, x0 + 32 * b, a.kq);
-        _tile_loadd(6, q, 64);
-        _tile_dpbusd(0, 4, 6);
-        _tile_loadd(5, x0 + 32 * b + 16, a.kq);
-        _tile_loadd(7, q + 256, 64);
-        _tile_dpbusd(1, 5, 7);
-        _tile_stored(1, c1, 64);
-      } else {
-        _tile_loadd(2, x0 + 32 * b, a.kq);
-        _tile_loadd(3, q, 64);
-        _tile_dpbusd(0, 2, 3);
-      }
+      _tile_zero(1);
+      _tile_loadd(4, x0 + 32 * b, a.kq);
+      _tile_loadd(6, q, 64);
+      _tile_dpbusd(0, 4, 6);
+      _tile_loadd(5, x0 + 32 * b + 16, a.kq);
+      _tile_loadd(7, q + 256, 64);
+      _tile_dpbusd(1, 5, 7);
       _tile_stored(0, c0, 64);
-      const __m512 wa = _mm512_load_ps(q + 512), wb = _mm512_load_ps(q + 576);
-      const __m512i s0 = _mm512_load_si512(q + 640), s1 = _mm512_load_si512(q + 704);
-      const __m512i both = _mm512_add_epi32(s0, s1);
-      const float* d = a.d + r0 * a.ld + b;
-      const float* ds = a.ds + r0 * a.ld + b;
+      _tile_stored(1, c1, 64);
+    } else if (turn == 0) {
+      if (next >= 0) AMX_BLOCK(1, 4, 5, next);
+      _tile_stored(0, c0, 64);
+    } else {
+      if (next >= 0) AMX_BLOCK(0, 2, 3, next);
+      _tile_stored(1, c0, 64);
+    }
+    turn ^= 1;
+    const __m512 wa = _mm512_load_ps(q + 512), wb = _mm512_load_ps(q + 576);
+    const __m512i s0 = _mm512_load_si512(q + 640), s1 = _mm512_load_si512(q + 704);
+    const __m512i both = _mm512_add_epi32(s0, s1);
+    const float* d = a.d + r0 * a.ld + b;
+    const float* ds = a.ds + r0 * a.ld + b;
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; ++r) {
+      if (r >= R) break;
+      const __m512 dr = _mm512_set1_ps(d[r * a.ld]);
+      __m512 v;
+      if constexpr (MODE == HALVES) {
+        const __m512 c = _mm512_mul_ps(_mm512_mul_ps(wa, dr),
+                                       _mm512_cvtepi32_ps(_mm512_add_epi32(s0, _mm512_load_si512(c0[r]))));
+        v = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(wb, dr),
+                                           _mm512_cvtepi32_ps(_mm512_add_epi32(s1, _mm512_load_si512(c1[r])))));
+      } else {
+        v = _mm512_mul_ps(_mm512_mul_ps(wa, dr), _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(c0[r]), both)));
+        if constexpr (MODE == M) v = _mm512_add_ps(v, _mm512_mul_ps(wb, _mm512_set1_ps(ds[r * a.ld])));
+      }
+      acc[r] = _mm512_add_ps(acc[r], v);
+    }
+    if (next < 0 || next % GROUP != b % GROUP) {  // the last block of acc b % 16
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
-        if (r >= R) break;
-        const __m512 dr = _mm512_set1_ps(d[r * a.ld]);
-        __m512 v;
-        if constexpr (MODE == HALVES) {
-          const __m512 c = _mm512_mul_ps(_mm512_mul_ps(wa, dr),
-                                         _mm512_cvtepi32_ps(_mm512_add_epi32(s0, _mm512_load_si512(c0[r]))));
-          v = _mm512_add_ps(c, _mm512_mul_ps(_mm512_mul_ps(wb, dr),
-                                             _mm512_cvtepi32_ps(_mm512_add_epi32(s1, _mm512_load_si512(c1[r])))));
-        } else {
-          v = _mm512_mul_ps(_mm512_mul_ps(wa, dr), _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(c0[r]), both)));
-          if constexpr (MODE == M) v = _mm512_add_ps(v, _mm512_mul_ps(wb, _mm512_set1_ps(ds[r * a.ld])));
-        }
-        acc[r] = _mm512_add_ps(acc[r], v);
+        _mm512_store_ps(kept[b % GROUP][r], acc[r]);
+        acc[r] = _mm512_setzero_ps();
       }
     }
-#pragma GCC unroll 16
-    for (int r = 0; r < 16; ++r) _mm512_store_ps(kept[j][r], acc[r]);
+    b = next;
   }
   for (int r = 0; r < R; ++r) {
     __m512 t[8], u[4];
@@ -1654,6 +1687,7 @@ AMX_FN void amx_group(const uint8_t* q0, const Acts& a, int64_t r0, int R, float
                           _mm512_add_ps(_mm512_add_ps(u[0], u[2]), _mm512_add_ps(u[1], u[3])));
   }
 }
+#undef AMX_BLOCK
 #endif
 
 // Rows r0..r0 + xr - 1 of x (xr <= TILE_X) against the tile's first `groups` groups.
@@ -1711,12 +1745,12 @@ ROAD_FN void tiled_rows(int64_t o0, int64_t o1, const Acts& a, int64_t B, float*
 #if NANOSERVE_INT8_ROAD == 1
   if (a.amx) {  // 16 rows of x at a time on AMX's tile unit
     const int64_t passes = (B + 15) / 16, per_pass = (next_bytes / passes + 63) / 64 * 64;
-    amx_config(16);
+    amx_config(16, MODE == HALVES);
     for (int64_t r0 = 0, ahead = 0; r0 < B; r0 += 16) {
       for (const int64_t e = std::min(next_bytes, ahead + per_pass); ahead < e; ahead += 64)
         _mm_prefetch(next + ahead, _MM_HINT_T1);
       const int rows = static_cast<int>(std::min<int64_t>(16, B - r0));
-      if (rows < 16) amx_config(rows);
+      if (rows < 16) amx_config(rows, MODE == HALVES);
       for (int64_t n = 0; n < groups; ++n)
         amx_group<MODE>(tile + n * gstride, a, r0, rows, out + r0 * N + o0 + 16 * n, N, o1 - o0 - 16 * n);
     }
