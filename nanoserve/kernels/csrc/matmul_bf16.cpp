@@ -310,7 +310,7 @@ NANOSERVE_TILES_BF16 void pair_task(const uint32_t* x, int64_t M, int64_t P, con
 // each row of C from that row of A alone, and the chunks of 16 pairs are taken in order, then the pairs past the
 // last whole chunk one by one in fp32: a row's bits never depend on which rows share the call, as on the vector
 // road, but they are the unit's own (it adds a pair's products in another order), so one CPU takes one unit for
-// every row count (`bf16_tiles_unit`). Rows come 32 at a time (two A tiles), tiles two at a time (four C tiles);
+// every row count (`bf16_tiles_units`). Rows come 32 at a time (two A tiles), tiles two at a time (four C tiles);
 // the last rows are copied into zeros so that every A tile is whole.
 #define NANOSERVE_AMX_BF16 \
   __attribute__((target("amx-tile,amx-bf16,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
