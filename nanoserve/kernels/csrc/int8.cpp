@@ -1569,17 +1569,11 @@ ROAD_FN void otile(const uint8_t* tile, int64_t gstride, const Acts& a, int64_t 
 // They are stored, and the fp32 steps are otile's, lane for lane, into the same 16 sums a row: the same bits.
 #define AMX_FN __attribute__((target(INT8_TARGET ",amx-tile,amx-int8"))) inline
 
-struct alignas(64) AmxConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles for `rows` rows of x: 0 and 1 the sums. Whole blocks (PLAIN, M): two sets, each a block of x (32 bytes a
 // row: tiles 2, 4) and a block of weights (8 x 64: 3, 5), so that one block's product runs while the last one's sums
 // are scaled; HALVES: the halves of a block of x (16 bytes: 4, 5) and of weights (4 x 64: 6, 7).
 AMX_FN void amx_config(int rows, bool halves) {
-  AmxConfig c;
+  AmxTiles c;
   const uint8_t r = static_cast<uint8_t>(rows);
   c.colsb[0] = c.colsb[1] = 64, c.rows[0] = c.rows[1] = r;
   if (halves) {
@@ -1589,8 +1583,7 @@ AMX_FN void amx_config(int rows, bool halves) {
     c.colsb[2] = c.colsb[4] = 32, c.rows[2] = c.rows[4] = r;
     c.colsb[3] = c.colsb[5] = 64, c.rows[3] = c.rows[5] = 8;
   }
-  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
-  _tile_loadconfig(&c);
+  load_tiles(c);
 }
 
 AMX_FN void amx_release() { _tile_release(); }

@@ -316,12 +316,6 @@ NANOSERVE_TILES_BF16 void pair_task(const uint32_t* x, int64_t M, int64_t P, con
   __attribute__((target("amx-tile,amx-bf16,avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 constexpr int64_t AMX_PAIRS = 16;  // pairs a tdpbf16ps takes: 64 bytes of an A row, 16 rows of B
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // C tile c's fp32 sums (c[i][l]: row i, column l of tile wt[c]) plus the pairs past the last whole chunk, one by
 // one in order, each product exact, rounded to bf16 into out (rows N apart).
 NANOSERVE_AMX_BF16 void amx_finish(const float (*c)[16], const uint32_t* x, int64_t rows, int64_t P, int64_t whole,
@@ -344,11 +338,10 @@ NANOSERVE_AMX_BF16 void amx_finish(const float (*c)[16], const uint32_t* x, int6
 // tiles at a time (two A tiles). Either way each sum takes the same chunks in the same order.
 NANOSERVE_AMX_BF16 void amx_task(const uint32_t* x, int64_t M, int64_t P, const uint32_t* wt, int64_t n, int64_t N,
                                  uint16_t* out) {
-  TileConfig cfg;  // C 0-3 and A 4-5 of as many rows as x has, up to 16; B 6-7
+  AmxTiles cfg;  // C 0-3 and A 4-5 of as many rows as x has, up to 16; B 6-7
   const uint8_t held = static_cast<uint8_t>(std::min<int64_t>(16, M));
   for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = t < 6 ? held : 16;
-  asm volatile("" : : "r"(&cfg) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
-  _tile_loadconfig(&cfg);
+  load_tiles(cfg);
   const int64_t whole = P / AMX_PAIRS * AMX_PAIRS, last = M / 32 * 32;
   alignas(64) float c[4][16][16];
   if (M <= 16) {

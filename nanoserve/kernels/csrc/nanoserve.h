@@ -84,6 +84,20 @@ torch::Tensor bf16_tiles_linear(torch::Tensor x, torch::Tensor tiles, int64_t N,
 std::vector<std::string> bf16_tiles_units();
 // Whether this process may use AMX's tiles (a CPU with them, Linux's permission, NANOSERVE_AMX not 0).
 bool amx_tiles_here();
+// AMX's tile configuration, palette 1: each tile's bytes a row and rows, the rest zero (ldtilecfg's 64 bytes).
+struct alignas(64) AmxTiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#if defined(__x86_64__)
+#include <immintrin.h>
+// Configure this thread's tiles (zeroing them). The asm tells GCC the stores are read: GCC 12 dropped them.
+__attribute__((target("amx-tile"))) inline void load_tiles(const AmxTiles& c) {
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+#endif
 // Whether the int8 tiled products take AMX's tile unit (the same bits as without): on = -1 asks, 0 or 1 sets.
 bool int8_amx(int64_t on);
 // x @ w.T for an fp32 matrix from its tiled copy, the same bits for any row count (matmul_fp32.cpp).

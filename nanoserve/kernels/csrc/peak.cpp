@@ -126,17 +126,10 @@ bool has_amx_bf16() {
   return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && amx_tiles_here();
 }
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 __attribute__((target("amx-tile"))) void whole_tiles() {
-  TileConfig c;
+  AmxTiles c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
-  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 may drop the stores ldtilecfg reads
-  _tile_loadconfig(&c);
+  load_tiles(c);
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
